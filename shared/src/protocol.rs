@@ -1,0 +1,531 @@
+//! Every wire type between the filter, the sidecar and the engines, in one place.
+//!
+//! All types are JSON with serde. Field names are a contract with tools outside the
+//! project (docs/protocol.md documents each with an example that a test parses), so
+//! they change only with a new `v`. Unknown fields are ignored everywhere, so newer
+//! senders can talk to older receivers; unknown event types are rejected, because an
+//! event we do not understand could be one that removes blocks.
+//!
+//! Hashes are u64. JSON numbers are the canonical form; decimal strings are accepted
+//! too, because JavaScript and jq silently round integers above 2^53 and a rounded
+//! hash is a silent miss.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
+use serde::{Deserialize, Serialize};
+
+use crate::chain::Mode;
+
+/// The event-batch format version this crate reads and writes.
+pub const EVENT_VERSION: u32 = 1;
+
+/// Where a KV block lives on its pod. Tier is kept off the routing hot path; it only
+/// shapes the cache hint for the winning pod and the cost of a hit.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    #[default]
+    Gpu,
+    Cpu,
+    Disk,
+    Remote,
+}
+
+impl Tier {
+    pub const ALL: [Tier; 4] = [Tier::Gpu, Tier::Cpu, Tier::Disk, Tier::Remote];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tier::Gpu => "gpu",
+            Tier::Cpu => "cpu",
+            Tier::Disk => "disk",
+            Tier::Remote => "remote",
+        }
+    }
+}
+
+/// One batch of KV cache events from one engine instance; the same bytes travel over
+/// NATS and `POST /v1/events`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EventBatch {
+    /// Format version; must be [`EVENT_VERSION`].
+    pub v: u32,
+    /// The pod's address as the gateway reaches it (`ip:port`); also its identity.
+    pub pod: String,
+    pub model: String,
+    /// Engine instance id: changes whenever the engine restarts (its cache is then empty).
+    pub epoch: String,
+    /// Batch counter within an epoch: gaps mean lost batches, repeats are duplicates.
+    pub seq: u64,
+    /// Send time, Unix seconds (optional; used for event-lag metrics).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ts: Option<f64>,
+    pub events: Vec<Event>,
+}
+
+/// A KV cache event. `blocks` are kvroute chain hashes of the pod's model namespace.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum Event {
+    /// Blocks now cached. `parent` is the hash before `blocks[0]` (null at the root);
+    /// `tokens` are the blocks' token ids when the engine sends them.
+    Stored {
+        #[serde(default)]
+        tier: Tier,
+        #[serde(
+            default,
+            deserialize_with = "opt_u64",
+            skip_serializing_if = "Option::is_none"
+        )]
+        parent: Option<u64>,
+        #[serde(deserialize_with = "u64_list")]
+        blocks: Vec<u64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tokens: Option<Vec<u32>>,
+    },
+    /// Blocks evicted from `tier`.
+    Removed {
+        #[serde(default)]
+        tier: Tier,
+        #[serde(deserialize_with = "u64_list")]
+        blocks: Vec<u64>,
+    },
+    /// The engine dropped its whole cache.
+    Cleared,
+    /// The engine is going away; remove the pod.
+    Shutdown,
+    /// The engine's own view of its load (corrects the router's projection).
+    Load {
+        #[serde(default)]
+        running: u32,
+        #[serde(default)]
+        waiting: u32,
+        #[serde(default)]
+        kv_usage: f64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        capacity_blocks: Option<u64>,
+    },
+}
+
+/// Why an event batch was refused. Each variant has a stable metric label.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EventError {
+    Json(String),
+    Version(u32),
+    Field(&'static str),
+    Value(String),
+}
+
+impl fmt::Display for EventError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EventError::Json(m) => write!(f, "malformed event batch: {m}"),
+            EventError::Version(v) => {
+                write!(
+                    f,
+                    "unsupported event batch version {v} (this sidecar reads v{EVENT_VERSION})"
+                )
+            }
+            EventError::Field(name) => write!(f, "event batch field `{name}` must not be empty"),
+            EventError::Value(m) => write!(f, "invalid event: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for EventError {}
+
+impl EventError {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            EventError::Json(_) => "bad_json",
+            EventError::Version(_) => "bad_version",
+            EventError::Field(_) => "missing_field",
+            EventError::Value(_) => "bad_value",
+        }
+    }
+}
+
+impl EventBatch {
+    /// Decode and validate a batch. Never panics; a refused batch changes nothing.
+    pub fn decode(bytes: &[u8]) -> Result<EventBatch, EventError> {
+        let b: EventBatch =
+            serde_json::from_slice(bytes).map_err(|e| EventError::Json(e.to_string()))?;
+        b.validate()?;
+        Ok(b)
+    }
+
+    pub fn validate(&self) -> Result<(), EventError> {
+        if self.v != EVENT_VERSION {
+            return Err(EventError::Version(self.v));
+        }
+        for (name, value) in [
+            ("pod", &self.pod),
+            ("model", &self.model),
+            ("epoch", &self.epoch),
+        ] {
+            if value.is_empty() {
+                return Err(EventError::Field(name));
+            }
+        }
+        for ev in &self.events {
+            match ev {
+                Event::Stored {
+                    tokens: Some(t),
+                    blocks,
+                    ..
+                } if !blocks.is_empty() && t.len() % blocks.len() != 0 => {
+                    return Err(EventError::Value(format!(
+                        "stored: {} tokens do not split evenly into {} blocks",
+                        t.len(),
+                        blocks.len()
+                    )))
+                }
+                Event::Load { kv_usage, .. } if !(0.0..=1.0).contains(kv_usage) => {
+                    return Err(EventError::Value(format!(
+                        "load: kv_usage {kv_usage} is not in [0, 1]"
+                    )))
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        // Serializing plain data to a Vec cannot fail; fall back to empty rather than panic.
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+}
+
+/// A pod's role when a model runs prefill and decode on separate pods.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    #[default]
+    Both,
+    Prefill,
+    Decode,
+}
+
+/// `PUT /v1/pods/{id}`: register or update a pod (`id` is its `ip:port`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PodRegistration {
+    pub model: String,
+    #[serde(default)]
+    pub role: Role,
+    /// LoRA adapters this pod serves (empty: base model only).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub adapters: Vec<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity_blocks: Option<u64>,
+    /// Where to fetch a full cache dump (an [`EventBatch`] of `stored` events) on resync.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dump_url: Option<String>,
+}
+
+/// `POST /v1/route`: the filter's question.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RouteRequest {
+    pub model: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub adapter: String,
+    pub mode: Mode,
+    pub block_size: u32,
+    #[serde(deserialize_with = "u64_list")]
+    pub chain: Vec<u64>,
+    /// Prompt length in tokens (estimated for text), for load projection.
+    #[serde(default)]
+    pub prompt_tokens: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
+    /// A session key (e.g. OpenAI's `user`), for session-affinity tie-breaks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
+    /// Restrict to pods of this role (default: any pod that can serve the whole request).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<Role>,
+    /// Rank without recording a decision or projecting load (operators' lookups).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub dry_run: bool,
+}
+
+/// One candidate in a route answer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Ranked {
+    pub pod: String,
+    pub matched_blocks: u32,
+    /// Policy cost (lower is better).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub score: Option<f64>,
+}
+
+/// Where the winner's matched blocks live, e.g. "10 in GPU, 2 in CPU".
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierHint {
+    pub gpu: u32,
+    pub cpu: u32,
+    pub disk: u32,
+    pub remote: u32,
+}
+
+impl TierHint {
+    pub fn add(&mut self, tier: Tier, n: u32) {
+        let slot = match tier {
+            Tier::Gpu => &mut self.gpu,
+            Tier::Cpu => &mut self.cpu,
+            Tier::Disk => &mut self.disk,
+            Tier::Remote => &mut self.remote,
+        };
+        *slot = slot.saturating_add(n);
+    }
+}
+
+/// The sidecar's answer to [`RouteRequest`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RouteResponse {
+    pub pod: String,
+    pub ranked: Vec<Ranked>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tier_hint: Option<TierHint>,
+    /// Set when the model runs disaggregated: the pod that prefills (`pod` decodes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_pod: Option<String>,
+    #[serde(default)]
+    pub policy_version: u64,
+    /// Per-pod cost breakdown; only when the policy's `explain` switch is on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub explain: Option<serde_json::Value>,
+}
+
+/// `POST /v1/report`: what happened to a routed request, sent by the filter from
+/// `on_log`. `cached_tokens` is the engine's own count, the ground truth for predictions.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CompletionReport {
+    #[serde(default)]
+    pub request_id: String,
+    pub pod: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub model: String,
+    pub status: u16,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_tokens: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_tokens: Option<u32>,
+    #[serde(default)]
+    pub duration_ms: f64,
+}
+
+/// Per-model settings the sidecar enforces.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelConfig {
+    /// Block size the engines use for this model; a route request with another size is
+    /// refused loudly (the silent mismatch is the commonest field failure of routers).
+    pub block_size: u32,
+    /// Cap on indexed blocks for this model (approximate LRU beyond it).
+    pub max_blocks: u64,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            block_size: 16,
+            max_blocks: 4 << 20,
+        }
+    }
+}
+
+/// The routing policy, served and replaced whole at `/v1/config`.
+///
+/// Cost of sending a request to a pod, in "blocks of prefill work" (lower wins):
+/// `prefill_weight · (uncached_blocks + tier-discounted hits) + load_weight · projected_blocks
+///  + queue_weight · queued_requests`, times `1 / stale_factor` for stale pods' hits.
+/// Defaults were chosen with `kvroute-bench sim` (docs/policy.md).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PolicyConfig {
+    /// Set by the sidecar; a PUT carrying a version must carry the current one.
+    pub version: u64,
+    pub models: BTreeMap<String, ModelConfig>,
+    /// Settings for models not listed in `models`.
+    pub default_model: ModelConfig,
+    pub prefill_weight: f64,
+    pub load_weight: f64,
+    pub queue_weight: f64,
+    /// Fraction of a hit's prefill cost still paid when the block is in this tier.
+    pub tier_cost: BTreeMap<Tier, f64>,
+    /// Multiplier (0..1] on the matched blocks of a pod whose event stream has a gap.
+    pub stale_factor: f64,
+    /// Bounded load: no pod gets more than (1 + ε) × the mean projected load.
+    pub balance_epsilon: f64,
+    /// 0 = argmin; > 0 samples from softmax(−cost / temperature).
+    pub temperature: f64,
+    /// Carry the per-pod breakdown in route answers (leaks cache state: off by default).
+    pub explain: bool,
+    /// Predicted mode: residency of routed text chains, kept this long.
+    pub predicted_ttl_s: u64,
+    pub predicted_capacity_blocks: u64,
+    /// A pod that sent nothing for this long is removed.
+    pub liveness_timeout_s: u64,
+    /// Projected load of a decision is released after this long without a report.
+    pub load_timeout_s: u64,
+    /// Circuit breaker: this many failed reports in a row exclude a pod for `cooldown`.
+    pub breaker_failures: u32,
+    pub breaker_cooldown_s: u64,
+    /// Refuse events from pods not registered with `PUT /v1/pods/{id}`.
+    pub require_registration: bool,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig {
+            version: 0,
+            models: BTreeMap::new(),
+            default_model: ModelConfig::default(),
+            prefill_weight: 1.0,
+            load_weight: 1.0,
+            queue_weight: 0.0,
+            tier_cost: BTreeMap::from([
+                (Tier::Gpu, 0.0),
+                (Tier::Cpu, 0.2),
+                (Tier::Disk, 0.5),
+                (Tier::Remote, 0.6),
+            ]),
+            stale_factor: 0.5,
+            balance_epsilon: 0.25,
+            temperature: 0.0,
+            explain: false,
+            predicted_ttl_s: 120,
+            predicted_capacity_blocks: 1 << 16,
+            liveness_timeout_s: 30,
+            load_timeout_s: 300,
+            breaker_failures: 5,
+            breaker_cooldown_s: 10,
+            require_registration: false,
+        }
+    }
+}
+
+impl PolicyConfig {
+    /// Every problem with this config, so an operator can fix them all at once.
+    pub fn validate(&self) -> Result<(), Vec<String>> {
+        let mut errs = Vec::new();
+        let mut finite_nonneg = |name: &str, v: f64| {
+            if !v.is_finite() || v < 0.0 {
+                errs.push(format!("{name} must be a finite number >= 0 (got {v})"));
+            }
+        };
+        finite_nonneg("prefill_weight", self.prefill_weight);
+        finite_nonneg("load_weight", self.load_weight);
+        finite_nonneg("queue_weight", self.queue_weight);
+        finite_nonneg("balance_epsilon", self.balance_epsilon);
+        finite_nonneg("temperature", self.temperature);
+        for (tier, c) in &self.tier_cost {
+            if !(0.0..=1.0).contains(c) {
+                errs.push(format!(
+                    "tier_cost.{} must be in [0, 1] (got {c})",
+                    tier.as_str()
+                ));
+            }
+        }
+        if !(self.stale_factor > 0.0 && self.stale_factor <= 1.0) {
+            errs.push(format!(
+                "stale_factor must be in (0, 1] (got {})",
+                self.stale_factor
+            ));
+        }
+        let models = std::iter::once(("default_model", &self.default_model))
+            .chain(self.models.iter().map(|(k, v)| (k.as_str(), v)));
+        for (name, m) in models {
+            if m.block_size == 0 || m.block_size > 1 << 20 {
+                errs.push(format!(
+                    "{name}: block_size must be in 1..=1048576 (got {})",
+                    m.block_size
+                ));
+            }
+            if m.max_blocks == 0 {
+                errs.push(format!("{name}: max_blocks must be > 0"));
+            }
+        }
+        if self.models.contains_key("") {
+            errs.push("models: the empty model name is not allowed".into());
+        }
+        if self.liveness_timeout_s == 0 {
+            errs.push("liveness_timeout_s must be > 0".into());
+        }
+        if self.load_timeout_s == 0 {
+            errs.push("load_timeout_s must be > 0".into());
+        }
+        if errs.is_empty() {
+            Ok(())
+        } else {
+            Err(errs)
+        }
+    }
+
+    pub fn model(&self, name: &str) -> &ModelConfig {
+        self.models.get(name).unwrap_or(&self.default_model)
+    }
+}
+
+/// A u64 from a JSON number or a decimal string.
+struct U64Visitor;
+
+impl<'de> Visitor<'de> for U64Visitor {
+    type Value = u64;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a u64 hash, as a JSON number or a decimal string")
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<u64, E> {
+        Ok(v)
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<u64, E> {
+        u64::try_from(v).map_err(|_| E::custom(format!("hash {v} is negative")))
+    }
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<u64, E> {
+        Err(E::custom(format!(
+            "hash {v} is not an integer (send u64 hashes as integers or strings)"
+        )))
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<u64, E> {
+        v.parse()
+            .map_err(|_| E::custom(format!("hash string {v:?} is not a decimal u64")))
+    }
+}
+
+struct LenientU64(u64);
+impl<'de> Deserialize<'de> for LenientU64 {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(U64Visitor).map(LenientU64)
+    }
+}
+
+fn u64_list<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u64>, D::Error> {
+    struct V;
+    impl<'de> Visitor<'de> for V {
+        type Value = Vec<u64>;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a list of u64 hashes")
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u64>, A::Error> {
+            // size_hint comes from the peer: cap the up-front allocation.
+            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 16));
+            while let Some(LenientU64(h)) = seq.next_element()? {
+                out.push(h);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_seq(V)
+}
+
+fn opt_u64<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    Option::<LenientU64>::deserialize(d).map(|o| o.map(|x| x.0))
+}
