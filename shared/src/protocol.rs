@@ -329,6 +329,8 @@ pub struct ModelConfig {
     /// Block size the engines use for this model; a route request with another size is
     /// refused loudly (the silent mismatch is the commonest field failure of routers).
     pub block_size: u32,
+    /// Bytes per block of text-mode chains (prompts the router chains as text).
+    pub text_block_bytes: u32,
     /// Cap on indexed blocks for this model (approximate LRU beyond it).
     pub max_blocks: u64,
 }
@@ -337,6 +339,7 @@ impl Default for ModelConfig {
     fn default() -> Self {
         ModelConfig {
             block_size: 16,
+            text_block_bytes: 256,
             max_blocks: 4 << 20,
         }
     }
@@ -450,6 +453,12 @@ impl PolicyConfig {
                     m.block_size
                 ));
             }
+            if m.text_block_bytes < 16 || m.text_block_bytes > 1 << 20 {
+                errs.push(format!(
+                    "{name}: text_block_bytes must be in 16..=1048576 (got {})",
+                    m.text_block_bytes
+                ));
+            }
             if m.max_blocks == 0 {
                 errs.push(format!("{name}: max_blocks must be > 0"));
             }
@@ -472,6 +481,15 @@ impl PolicyConfig {
 
     pub fn model(&self, name: &str) -> &ModelConfig {
         self.models.get(name).unwrap_or(&self.default_model)
+    }
+
+    /// The block size a chain of `mode` must use for `model`.
+    pub fn block_size(&self, model: &str, mode: Mode) -> u32 {
+        let m = self.model(model);
+        match mode {
+            Mode::Tokens => m.block_size,
+            Mode::Text => m.text_block_bytes,
+        }
     }
 }
 

@@ -1,0 +1,190 @@
+//! The plugin configuration: parsed and validated once per VM in `on_configure`, then
+//! shared read-only by every request of that VM.
+//!
+//! Every problem is reported (not just the first) so that an operator fixes a config in
+//! one round; an invalid config makes `on_configure` return false and Envoy refuses it,
+//! which is better than a filter that silently routes nothing.
+
+use std::collections::BTreeMap;
+
+use kvroute_shared::canon::AdapterRule;
+use serde::Deserialize;
+
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelSettings {
+    /// Tokens per block: must equal the engines' block size for this model.
+    pub block_size: u32,
+    /// Bytes per block for text prompts (chained in text mode, predicted residency).
+    pub text_block_bytes: u32,
+    /// Route text prompts at all (false: only token-id prompts are steered).
+    pub route_text: bool,
+}
+
+impl Default for ModelSettings {
+    fn default() -> Self {
+        ModelSettings { block_size: 16, text_block_bytes: 256, route_text: true }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FilterConfig {
+    /// Envoy cluster of the sidecar (a Unix socket cluster in the shipped config).
+    pub sidecar_cluster: String,
+    /// `:authority` sent to the sidecar.
+    pub sidecar_authority: String,
+    pub route_path: String,
+    pub report_path: String,
+    /// Callout timeout: past it the request goes on unsteered.
+    pub timeout_ms: u64,
+    /// Request paths that are routed (exact match, query string ignored).
+    pub paths: Vec<String>,
+    /// Bodies larger than this are not parsed (they still pass through).
+    pub max_body_bytes: usize,
+    /// Header Envoy's override-host load balancer reads.
+    pub steer_header: String,
+    /// Header carrying the prefill pod of a disaggregated model.
+    pub prefill_header: String,
+    /// Header whose value is used as the session key (empty: use the body's `user`).
+    pub session_header: String,
+    pub models: BTreeMap<String, ModelSettings>,
+    pub default_model: ModelSettings,
+    pub adapters: AdapterRule,
+    /// Send completion reports from `on_log`.
+    pub report: bool,
+    /// Add `x-kvroute-pod` / `x-kvroute-matched-blocks` to responses (leaks cache state).
+    pub debug_headers: bool,
+    /// Bytes of a response body's tail kept to find `usage` in.
+    pub usage_window_bytes: usize,
+}
+
+impl Default for FilterConfig {
+    fn default() -> Self {
+        FilterConfig {
+            sidecar_cluster: "kvroute_sidecar".into(),
+            sidecar_authority: "kvroute-sidecar".into(),
+            route_path: "/v1/route".into(),
+            report_path: "/v1/report".into(),
+            timeout_ms: 25,
+            paths: vec!["/v1/completions".into(), "/v1/chat/completions".into()],
+            max_body_bytes: 8 << 20,
+            steer_header: "x-gateway-destination-endpoint".into(),
+            prefill_header: "x-kvroute-prefill-endpoint".into(),
+            session_header: String::new(),
+            models: BTreeMap::new(),
+            default_model: ModelSettings::default(),
+            adapters: AdapterRule::default(),
+            report: true,
+            debug_headers: false,
+            usage_window_bytes: 16 << 10,
+        }
+    }
+}
+
+fn valid_header_name(h: &str) -> bool {
+    !h.is_empty() && h.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+impl FilterConfig {
+    /// Parse the plugin configuration (absent or empty means all defaults).
+    pub fn parse(bytes: Option<&[u8]>) -> Result<FilterConfig, Vec<String>> {
+        let cfg: FilterConfig = match bytes {
+            None => FilterConfig::default(),
+            Some(b) if b.iter().all(u8::is_ascii_whitespace) => FilterConfig::default(),
+            Some(b) => serde_json::from_slice(b).map_err(|e| vec![format!("configuration is not valid: {e}")])?,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn validate(&self) -> Result<(), Vec<String>> {
+        let mut errs = Vec::new();
+        if self.sidecar_cluster.is_empty() {
+            errs.push("sidecar_cluster must not be empty".to_string());
+        }
+        for (name, p) in [("route_path", &self.route_path), ("report_path", &self.report_path)] {
+            if !p.starts_with('/') {
+                errs.push(format!("{name} must start with '/' (got {p:?})"));
+            }
+        }
+        if self.timeout_ms == 0 || self.timeout_ms > 10_000 {
+            errs.push(format!("timeout_ms must be in 1..=10000 (got {})", self.timeout_ms));
+        }
+        if self.paths.is_empty() {
+            errs.push("paths must list at least one path".to_string());
+        }
+        for p in &self.paths {
+            if kvroute_shared::canon::Endpoint::from_path(p).is_none() {
+                errs.push(format!("paths: {p:?} is not an OpenAI completions or chat completions path"));
+            }
+        }
+        if self.max_body_bytes == 0 {
+            errs.push("max_body_bytes must be > 0".to_string());
+        }
+        for (name, h) in [("steer_header", &self.steer_header), ("prefill_header", &self.prefill_header)] {
+            if !valid_header_name(h) {
+                errs.push(format!("{name} must be a lowercase header name (got {h:?})"));
+            }
+        }
+        if !self.session_header.is_empty() && !valid_header_name(&self.session_header) {
+            errs.push(format!("session_header must be a lowercase header name (got {:?})", self.session_header));
+        }
+        let models = std::iter::once(("default_model", &self.default_model))
+            .chain(self.models.iter().map(|(k, v)| (k.as_str(), v)));
+        for (name, m) in models {
+            if m.block_size == 0 || m.block_size > 1 << 20 {
+                errs.push(format!("{name}: block_size must be in 1..=1048576 (got {})", m.block_size));
+            }
+            if m.text_block_bytes < 16 || m.text_block_bytes > 1 << 20 {
+                errs.push(format!("{name}: text_block_bytes must be in 16..=1048576 (got {})", m.text_block_bytes));
+            }
+        }
+        if self.usage_window_bytes < 256 || self.usage_window_bytes > 1 << 20 {
+            errs.push(format!("usage_window_bytes must be in 256..=1048576 (got {})", self.usage_window_bytes));
+        }
+        if errs.is_empty() {
+            Ok(())
+        } else {
+            Err(errs)
+        }
+    }
+
+    pub fn model(&self, base_model: &str) -> &ModelSettings {
+        self.models.get(base_model).unwrap_or(&self.default_model)
+    }
+
+    /// Is this request path one we route?
+    pub fn routes_path(&self, path: &str) -> bool {
+        let path = path.split('?').next().unwrap_or(path);
+        self.paths.iter().any(|p| p == path)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid() {
+        assert_eq!(FilterConfig::parse(None), Ok(FilterConfig::default()));
+        assert_eq!(FilterConfig::parse(Some(b"  ")), Ok(FilterConfig::default()));
+        assert!(FilterConfig::parse(Some(b"{}")).is_ok());
+    }
+
+    #[test]
+    fn every_problem_is_listed() {
+        let bad = br#"{"timeout_ms":0,"paths":["/x"],"steer_header":"Bad Header","default_model":{"block_size":0}}"#;
+        let errs = FilterConfig::parse(Some(bad)).expect_err("invalid");
+        assert_eq!(errs.len(), 4, "{errs:?}");
+        let unknown = FilterConfig::parse(Some(br#"{"timeout":5}"#)).expect_err("unknown key");
+        assert!(unknown[0].contains("unknown field"), "{unknown:?}");
+    }
+
+    #[test]
+    fn paths_ignore_query() {
+        let c = FilterConfig::default();
+        assert!(c.routes_path("/v1/completions?stream=1"));
+        assert!(!c.routes_path("/v1/models"));
+    }
+}

@@ -1,0 +1,297 @@
+//! The proxy-wasm glue: moves bytes between Envoy and [`crate::logic`], nothing more.
+//!
+//! It calls `proxy_wasm::hostcalls` directly instead of the SDK's trait helpers, because
+//! those unwrap host errors (a header set after the router picked a host, a non-UTF-8
+//! header value) and a panic here would hang a paused request. Every host call's error
+//! is turned into "continue unsteered".
+
+use std::rc::Rc;
+use std::time::{Duration, SystemTime};
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
+
+use crate::config::FilterConfig;
+use crate::logic::{self, Skip};
+use crate::usage::Tail;
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Info);
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root { shared: None }) });
+}}
+
+/// Metric ids, defined once per VM (Envoy exposes them as `wasmcustom.kvroute_*`).
+#[derive(Default)]
+struct Metrics {
+    routed: Option<u32>,
+    skipped: Vec<(Skip, Option<u32>)>,
+    callout_us: Option<u32>,
+    body_bytes: Option<u32>,
+    reports: Option<u32>,
+}
+
+impl Metrics {
+    fn define() -> Metrics {
+        let counter = |n: &str| hostcalls::define_metric(MetricType::Counter, n).ok();
+        Metrics {
+            routed: counter("kvroute_routed"),
+            skipped: Skip::ALL
+                .iter()
+                .map(|s| (*s, counter(&format!("kvroute_fail_open_{}", s.as_str()))))
+                .collect(),
+            callout_us: hostcalls::define_metric(MetricType::Histogram, "kvroute_callout_us").ok(),
+            body_bytes: counter("kvroute_body_bytes"),
+            reports: counter("kvroute_reports"),
+        }
+    }
+
+    fn inc(id: Option<u32>, by: i64) {
+        if let Some(id) = id {
+            let _ = hostcalls::increment_metric(id, by);
+        }
+    }
+
+    fn skip(&self, reason: Skip) {
+        let id = self.skipped.iter().find(|(s, _)| *s == reason).and_then(|(_, id)| *id);
+        Self::inc(id, 1);
+    }
+}
+
+struct Shared {
+    cfg: FilterConfig,
+    metrics: Metrics,
+}
+
+struct Root {
+    shared: Option<Rc<Shared>>,
+}
+
+impl Context for Root {}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let raw = hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX).ok().flatten();
+        match FilterConfig::parse(raw.as_deref()) {
+            Ok(cfg) => {
+                self.shared = Some(Rc::new(Shared { cfg, metrics: Metrics::define() }));
+                true
+            }
+            Err(errs) => {
+                for e in errs {
+                    let _ = hostcalls::log(LogLevel::Error, &format!("kvroute: invalid plugin configuration: {e}"));
+                }
+                false
+            }
+        }
+    }
+
+    fn create_http_context(&self, _id: u32) -> Option<Box<dyn HttpContext>> {
+        // Without a valid config Envoy has refused the plugin; a pass-through context keeps
+        // the function total anyway.
+        Some(Box::new(Http { shared: self.shared.clone(), state: State::PassThrough }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+enum State {
+    /// Not ours: every callback continues.
+    PassThrough,
+    /// Holding headers while Envoy buffers the body.
+    Buffering { path: String, request_id: Option<String>, session: Option<String> },
+    /// Waiting for the sidecar's answer.
+    Calling { token: u32, sent: Option<SystemTime>, model: String, request_id: String },
+    /// The request went on (steered or not); watch the response for `usage`.
+    Forwarded { model: String, request_id: String, steered: Option<logic::Steer>, status: u16, tail: Tail, start: Option<SystemTime> },
+}
+
+struct Http {
+    shared: Option<Rc<Shared>>,
+    state: State,
+}
+
+fn header(map: MapType, name: &str) -> Option<String> {
+    hostcalls::get_map_value_bytes(map, name)
+        .ok()
+        .flatten()
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+}
+
+fn now() -> Option<SystemTime> {
+    hostcalls::get_current_time().ok()
+}
+
+impl Http {
+    fn forward(&mut self, sh: &Shared, model: String, request_id: String, steered: Option<logic::Steer>) {
+        let start = now();
+        let tail = Tail::new(sh.cfg.usage_window_bytes);
+        self.state = State::Forwarded { model, request_id, steered, status: 0, tail, start };
+    }
+}
+
+impl Context for Http {
+    fn on_http_call_response(&mut self, token_id: u32, _headers: usize, body_size: usize, _trailers: usize) {
+        let Some(sh) = self.shared.clone() else { return };
+        let State::Calling { token, sent, model, request_id } = std::mem::replace(&mut self.state, State::PassThrough) else {
+            return;
+        };
+        if token != token_id {
+            return;
+        }
+        if let (Some(t0), Some(t1)) = (sent, now()) {
+            if let (Ok(d), Some(id)) = (t1.duration_since(t0), sh.metrics.callout_us) {
+                let _ = hostcalls::record_metric(id, d.as_micros().min(u64::MAX as u128) as u64);
+            }
+        }
+        let status = header(MapType::HttpCallResponseHeaders, ":status");
+        let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).ok().flatten();
+        let steered = match logic::interpret(status.as_deref(), body.as_deref()) {
+            Ok(steer) => {
+                let set = hostcalls::set_map_value(MapType::HttpRequestHeaders, &sh.cfg.steer_header, Some(&steer.pod));
+                let set_prefill = match &steer.prefill_pod {
+                    Some(p) => hostcalls::set_map_value(MapType::HttpRequestHeaders, &sh.cfg.prefill_header, Some(p)),
+                    None => Ok(()),
+                };
+                if set.is_ok() && set_prefill.is_ok() {
+                    Metrics::inc(sh.metrics.routed, 1);
+                    Some(steer)
+                } else {
+                    sh.metrics.skip(Skip::DispatchFailed);
+                    None
+                }
+            }
+            Err(reason) => {
+                sh.metrics.skip(reason);
+                None
+            }
+        };
+        self.forward(&sh, model, request_id, steered);
+        let _ = hostcalls::resume_http_request();
+    }
+}
+
+impl HttpContext for Http {
+    fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
+        let Some(sh) = self.shared.clone() else { return Action::Continue };
+        // Clients never choose the pod: drop their copies of the steering headers on
+        // every request, routed or not (otherwise a client could reach any host).
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &sh.cfg.steer_header, None);
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &sh.cfg.prefill_header, None);
+        let method = header(MapType::HttpRequestHeaders, ":method");
+        let path = header(MapType::HttpRequestHeaders, ":path");
+        if end_of_stream || !logic::wants_body(&sh.cfg, method.as_deref(), path.as_deref()) {
+            return Action::Continue;
+        }
+        let session = if sh.cfg.session_header.is_empty() {
+            None
+        } else {
+            header(MapType::HttpRequestHeaders, &sh.cfg.session_header)
+        };
+        self.state = State::Buffering {
+            path: path.unwrap_or_default(),
+            request_id: header(MapType::HttpRequestHeaders, "x-request-id"),
+            session,
+        };
+        Action::Pause
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(sh) = self.shared.clone() else { return Action::Continue };
+        let State::Buffering { path, request_id, session } = &self.state else { return Action::Continue };
+        if body_size > sh.cfg.max_body_bytes {
+            sh.metrics.skip(Skip::BodyTooLarge);
+            self.state = State::PassThrough;
+            return Action::Continue;
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        Metrics::inc(sh.metrics.body_bytes, body_size as i64);
+        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size).ok().flatten().unwrap_or_default();
+        let rid = request_id.clone().unwrap_or_default();
+        let prepared = match logic::prepare(&sh.cfg, path, &body, request_id.as_deref(), session.as_deref()) {
+            Ok(p) => p,
+            Err(reason) => {
+                sh.metrics.skip(reason);
+                self.state = State::PassThrough;
+                return Action::Continue;
+            }
+        };
+        drop(body);
+        let headers = vec![
+            (":method", "POST"),
+            (":path", sh.cfg.route_path.as_str()),
+            (":authority", sh.cfg.sidecar_authority.as_str()),
+            ("content-type", "application/json"),
+        ];
+        let timeout = Duration::from_millis(sh.cfg.timeout_ms);
+        match hostcalls::dispatch_http_call(&sh.cfg.sidecar_cluster, headers, Some(&prepared.route_body), vec![], timeout) {
+            Ok(token) => {
+                self.state = State::Calling { token, sent: now(), model: prepared.model, request_id: rid };
+                Action::Pause
+            }
+            Err(_) => {
+                sh.metrics.skip(Skip::DispatchFailed);
+                self.forward(&sh, prepared.model, rid, None);
+                Action::Continue
+            }
+        }
+    }
+
+    fn on_http_response_headers(&mut self, _n: usize, _eos: bool) -> Action {
+        let Some(sh) = self.shared.clone() else { return Action::Continue };
+        if let State::Forwarded { status, steered, .. } = &mut self.state {
+            *status = header(MapType::HttpResponseHeaders, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+            if sh.cfg.debug_headers {
+                if let Some(s) = steered {
+                    let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, "x-kvroute-pod", Some(&s.pod));
+                    let m = s.matched_blocks.to_string();
+                    let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, "x-kvroute-matched-blocks", Some(&m));
+                }
+            }
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, _eos: bool) -> Action {
+        // Never buffer the response: each chunk goes on at once; only its tail is kept.
+        if let State::Forwarded { tail, .. } = &mut self.state {
+            if let Ok(Some(chunk)) = hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size) {
+                tail.push(&chunk);
+            }
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        let Some(sh) = self.shared.clone() else { return };
+        if !sh.cfg.report {
+            return;
+        }
+        let State::Forwarded { model, request_id, steered, status, tail, start } = &self.state else { return };
+        // The pod that actually served: Envoy's upstream address, else the one we chose.
+        let upstream = hostcalls::get_property(vec!["upstream", "address"])
+            .ok()
+            .flatten()
+            .map(|b| String::from_utf8_lossy(&b).into_owned());
+        let Some(pod) = upstream.or_else(|| steered.as_ref().map(|s| s.pod.clone())) else { return };
+        let duration_ms = match (start, now()) {
+            (Some(a), Some(b)) => b.duration_since(*a).map(|d| d.as_secs_f64() * 1e3).unwrap_or(0.0),
+            _ => 0.0,
+        };
+        let body = logic::report(request_id, model, &pod, *status, tail.usage(), duration_ms);
+        let headers = vec![
+            (":method", "POST"),
+            (":path", sh.cfg.report_path.as_str()),
+            (":authority", sh.cfg.sidecar_authority.as_str()),
+            ("content-type", "application/json"),
+        ];
+        let timeout = Duration::from_millis(sh.cfg.timeout_ms.max(1000));
+        if hostcalls::dispatch_http_call(&sh.cfg.sidecar_cluster, headers, Some(&body), vec![], timeout).is_ok() {
+            Metrics::inc(sh.metrics.reports, 1);
+        }
+    }
+}

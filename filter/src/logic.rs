@@ -1,0 +1,263 @@
+//! What the filter decides, as plain functions over bytes and strings, so that every
+//! branch is unit-tested natively; the proxy-wasm glue only moves data in and out.
+//!
+//! One request's life: [`wants_body`] on headers → [`prepare`] on the whole body (chain
+//! and route-request bytes) → [`interpret`] on the callout's answer → at the end
+//! [`report`]. Every path that is not a clean steer is a [`Skip`] with a stable reason,
+//! and a skip always means "continue unsteered" (fail open).
+
+use kvroute_shared::canon::{self, Endpoint};
+use kvroute_shared::protocol::{CompletionReport, RouteRequest, RouteResponse};
+
+use crate::config::FilterConfig;
+use crate::usage::Usage;
+
+/// Why a request was not steered. `as_str` is the metric label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Skip {
+    BodyTooLarge,
+    BadJson,
+    NoPrompt,
+    EmptyPrompt,
+    TextNotRouted,
+    DispatchFailed,
+    Timeout,
+    SidecarError,
+    NoPod,
+    BadAnswer,
+}
+
+impl Skip {
+    pub const ALL: [Skip; 10] = [
+        Skip::BodyTooLarge,
+        Skip::BadJson,
+        Skip::NoPrompt,
+        Skip::EmptyPrompt,
+        Skip::TextNotRouted,
+        Skip::DispatchFailed,
+        Skip::Timeout,
+        Skip::SidecarError,
+        Skip::NoPod,
+        Skip::BadAnswer,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Skip::BodyTooLarge => "body_too_large",
+            Skip::BadJson => "bad_json",
+            Skip::NoPrompt => "no_prompt",
+            Skip::EmptyPrompt => "empty_prompt",
+            Skip::TextNotRouted => "text_not_routed",
+            Skip::DispatchFailed => "dispatch_failed",
+            Skip::Timeout => "timeout",
+            Skip::SidecarError => "sidecar_error",
+            Skip::NoPod => "no_pod",
+            Skip::BadAnswer => "bad_answer",
+        }
+    }
+}
+
+/// Should the filter hold the headers and read the body of this request?
+pub fn wants_body(cfg: &FilterConfig, method: Option<&str>, path: Option<&str>) -> bool {
+    method == Some("POST") && path.is_some_and(|p| cfg.routes_path(p))
+}
+
+/// A request ready for the callout.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prepared {
+    pub model: String,
+    pub blocks: usize,
+    pub prompt_tokens: u32,
+    pub route_body: Vec<u8>,
+}
+
+/// Parse and chain a whole request body.
+pub fn prepare(
+    cfg: &FilterConfig,
+    path: &str,
+    body: &[u8],
+    request_id: Option<&str>,
+    session: Option<&str>,
+) -> Result<Prepared, Skip> {
+    if body.len() > cfg.max_body_bytes {
+        return Err(Skip::BodyTooLarge);
+    }
+    let endpoint = Endpoint::from_path(path).ok_or(Skip::NoPrompt)?;
+    let req = canon::parse(endpoint, body).map_err(|e| match e {
+        canon::CanonError::Json(_) => Skip::BadJson,
+        canon::CanonError::Missing(_) => Skip::NoPrompt,
+        canon::CanonError::Empty => Skip::EmptyPrompt,
+    })?;
+    let (base, _) = cfg.adapters.resolve(&req.model);
+    let settings = cfg.model(base);
+    let mode = req.prompt.mode();
+    let block_size = match mode {
+        kvroute_shared::Mode::Tokens => settings.block_size,
+        kvroute_shared::Mode::Text if settings.route_text => settings.text_block_bytes,
+        kvroute_shared::Mode::Text => return Err(Skip::TextNotRouted),
+    };
+    let chained = req.chain(&cfg.adapters, block_size);
+    let prompt_tokens = u32::try_from(req.prompt.approx_tokens()).unwrap_or(u32::MAX);
+    let blocks = chained.chain.len();
+    let route = RouteRequest {
+        model: chained.base_model,
+        adapter: chained.adapter,
+        mode,
+        block_size,
+        chain: chained.chain,
+        prompt_tokens,
+        request_id: request_id.map(str::to_owned),
+        session: session.map(str::to_owned).or_else(|| req.user.as_deref().map(str::to_owned)),
+        role: None,
+        dry_run: false,
+    };
+    let route_body = serde_json::to_vec(&route).map_err(|_| Skip::BadAnswer)?;
+    Ok(Prepared { model: route.model, blocks, prompt_tokens, route_body })
+}
+
+/// A usable answer from the sidecar.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Steer {
+    pub pod: String,
+    pub prefill_pod: Option<String>,
+    pub matched_blocks: u32,
+}
+
+/// `host:port` with a plausible host: the only shape we put into a steering header.
+/// Envoy's override-host policy falls back for hosts outside the cluster anyway; this
+/// keeps garbage (and header injection) out of the request.
+pub fn valid_endpoint(s: &str) -> bool {
+    let Some((host, port)) = s.rsplit_once(':') else { return false };
+    let port_ok = !port.is_empty() && port.len() <= 5 && port.bytes().all(|b| b.is_ascii_digit());
+    let host_ok = !host.is_empty()
+        && host.len() <= 253
+        && host.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_' | b':' | b'[' | b']'));
+    port_ok && host_ok
+}
+
+/// Judge the callout's answer (`status` from the `:status` pseudo-header).
+pub fn interpret(status: Option<&str>, body: Option<&[u8]>) -> Result<Steer, Skip> {
+    match status {
+        Some("200") => {}
+        // Envoy answers a timed-out callout with a synthetic 504.
+        Some("504") => return Err(Skip::Timeout),
+        Some("503") => return Err(Skip::NoPod),
+        _ => return Err(Skip::SidecarError),
+    }
+    let body = body.ok_or(Skip::BadAnswer)?;
+    let resp: RouteResponse = serde_json::from_slice(body).map_err(|_| Skip::BadAnswer)?;
+    if !valid_endpoint(&resp.pod) {
+        return Err(Skip::BadAnswer);
+    }
+    let prefill_pod = resp.prefill_pod.filter(|p| valid_endpoint(p));
+    let matched_blocks = resp.ranked.iter().find(|r| r.pod == resp.pod).map_or(0, |r| r.matched_blocks);
+    Ok(Steer { pod: resp.pod, prefill_pod, matched_blocks })
+}
+
+/// The completion report sent from `on_log`.
+pub fn report(
+    request_id: &str,
+    model: &str,
+    pod: &str,
+    status: u16,
+    usage: Option<Usage>,
+    duration_ms: f64,
+) -> Vec<u8> {
+    let r = CompletionReport {
+        request_id: request_id.to_owned(),
+        pod: pod.to_owned(),
+        model: model.to_owned(),
+        status,
+        prompt_tokens: usage.and_then(|u| u.prompt_tokens),
+        cached_tokens: usage.and_then(|u| u.cached_tokens()),
+        completion_tokens: usage.and_then(|u| u.completion_tokens),
+        duration_ms,
+    };
+    serde_json::to_vec(&r).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> FilterConfig {
+        let mut c = FilterConfig::default();
+        c.default_model.block_size = 4;
+        c
+    }
+
+    #[test]
+    fn only_posts_to_routed_paths() {
+        let c = cfg();
+        assert!(wants_body(&c, Some("POST"), Some("/v1/completions")));
+        assert!(!wants_body(&c, Some("GET"), Some("/v1/completions")));
+        assert!(!wants_body(&c, Some("POST"), Some("/v1/embeddings")));
+        assert!(!wants_body(&c, None, None));
+    }
+
+    #[test]
+    fn prepared_route_carries_the_reference_chain() {
+        let body = br#"{"model":"m","prompt":[0,1,2,3,4,5,6,7,8,9],"user":"u1"}"#;
+        let p = prepare(&cfg(), "/v1/completions", body, Some("r1"), None).expect("prepared");
+        let r: RouteRequest = serde_json::from_slice(&p.route_body).expect("route json");
+        assert_eq!(r.chain, [12505186680924831797, 7943115681171077851]);
+        assert_eq!((r.block_size, r.prompt_tokens, p.blocks), (4, 10, 2));
+        assert_eq!(r.request_id.as_deref(), Some("r1"));
+        assert_eq!(r.session.as_deref(), Some("u1"));
+    }
+
+    #[test]
+    fn skips_have_reasons() {
+        let c = cfg();
+        assert_eq!(prepare(&c, "/v1/completions", b"{oops", None, None), Err(Skip::BadJson));
+        assert_eq!(prepare(&c, "/v1/completions", b"{}", None, None), Err(Skip::NoPrompt));
+        assert_eq!(prepare(&c, "/v1/completions", br#"{"prompt":""}"#, None, None), Err(Skip::EmptyPrompt));
+        let mut small = cfg();
+        small.max_body_bytes = 8;
+        assert_eq!(prepare(&small, "/v1/completions", br#"{"prompt":"long"}"#, None, None), Err(Skip::BodyTooLarge));
+        let mut tokens_only = cfg();
+        tokens_only.default_model.route_text = false;
+        assert_eq!(prepare(&tokens_only, "/v1/completions", br#"{"prompt":"x"}"#, None, None), Err(Skip::TextNotRouted));
+        let labels: std::collections::HashSet<_> = Skip::ALL.iter().map(|s| s.as_str()).collect();
+        assert_eq!(labels.len(), Skip::ALL.len());
+    }
+
+    #[test]
+    fn answers_are_judged() {
+        let ok = br#"{"pod":"127.0.0.1:8001","ranked":[{"pod":"127.0.0.1:8001","matched_blocks":3}],"policy_version":1}"#;
+        assert_eq!(
+            interpret(Some("200"), Some(ok)),
+            Ok(Steer { pod: "127.0.0.1:8001".into(), prefill_pod: None, matched_blocks: 3 })
+        );
+        assert_eq!(interpret(Some("504"), None), Err(Skip::Timeout));
+        assert_eq!(interpret(Some("503"), Some(b"{}")), Err(Skip::NoPod));
+        assert_eq!(interpret(Some("500"), Some(ok)), Err(Skip::SidecarError));
+        assert_eq!(interpret(None, Some(ok)), Err(Skip::SidecarError));
+        assert_eq!(interpret(Some("200"), None), Err(Skip::BadAnswer));
+        assert_eq!(interpret(Some("200"), Some(b"[]")), Err(Skip::BadAnswer));
+        let inject = br#"{"pod":"1.2.3.4:80\r\nx-evil: 1","ranked":[]}"#;
+        assert_eq!(interpret(Some("200"), Some(inject)), Err(Skip::BadAnswer));
+    }
+
+    #[test]
+    fn endpoint_shapes() {
+        for good in ["127.0.0.1:8000", "[::1]:8000", "pod-a.ns.svc:80"] {
+            assert!(valid_endpoint(good), "{good}");
+        }
+        for bad in ["", "127.0.0.1", ":80", "a:b", "a b:80", "a:123456", "x\n:1"] {
+            assert!(!valid_endpoint(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn report_body_carries_usage() {
+        let u = Usage {
+            prompt_tokens: Some(10),
+            completion_tokens: Some(2),
+            prompt_tokens_details: Some(crate::usage::Details { cached_tokens: Some(8) }),
+        };
+        let r: CompletionReport =
+            serde_json::from_slice(&report("r", "m", "p:1", 200, Some(u), 1.5)).expect("json");
+        assert_eq!((r.cached_tokens, r.status, r.pod.as_str()), (Some(8), 200, "p:1"));
+    }
+}

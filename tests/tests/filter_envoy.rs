@@ -1,0 +1,233 @@
+//! The filter inside a real Envoy 1.40 (v8), against a stub sidecar and stub pods.
+//!
+//! This is where the hash chain is proven on wasm32: the chains the filter computes
+//! inside v8 must be the REFERENCE §3 vectors bit for bit.
+
+use std::time::{Duration, Instant};
+
+use kvroute_tests::envoy::{Envoy, EnvoyLayout, Fallback, SidecarAddr};
+use kvroute_tests::stub::{Answer, StubPod, StubSidecar};
+use serde_json::json;
+
+struct Rig {
+    sidecar: StubSidecar,
+    pods: Vec<StubPod>,
+    envoy: Envoy,
+    http: reqwest::Client,
+}
+
+async fn rig(answer: Answer, filter_extra: serde_json::Value) -> Rig {
+    let wasm = kvroute_tests::wasm_path();
+    assert!(wasm.exists(), "build the filter first: make wasm ({} missing)", wasm.display());
+    let sidecar = StubSidecar::start(answer).await.expect("stub sidecar");
+    let mut pods = Vec::new();
+    for name in ["a", "b", "c"] {
+        pods.push(StubPod::start(name).await.expect("stub pod"));
+    }
+    let mut cfg = json!({
+        "timeout_ms": 100,
+        "default_model": {"block_size": 4, "text_block_bytes": 16},
+        "adapters": {"adapters": {"a": "m"}},
+    });
+    if let (Some(c), Some(extra)) = (cfg.as_object_mut(), filter_extra.as_object()) {
+        c.extend(extra.clone());
+    }
+    let layout = EnvoyLayout {
+        listen_port: 0,
+        sidecar: SidecarAddr::Tcp(sidecar.addr),
+        engines: pods.iter().map(|p| p.addr).collect(),
+        wasm_path: wasm,
+        filter_config: cfg,
+        with_filter: true,
+        fallback: Fallback::RoundRobin,
+        access_log: false,
+    };
+    let envoy = tokio::task::spawn_blocking(move || Envoy::start(&layout))
+        .await
+        .expect("join")
+        .expect("envoy starts");
+    Rig { sidecar, pods, envoy, http: reqwest::Client::new() }
+}
+
+impl Rig {
+    async fn post(&self, path: &str, body: &str, headers: &[(&str, &str)]) -> reqwest::Response {
+        let mut r = self.http.post(self.envoy.url(path)).body(body.to_string()).header("content-type", "application/json");
+        for (k, v) in headers {
+            r = r.header(*k, *v);
+        }
+        r.send().await.expect("request through envoy")
+    }
+
+    fn pod(&self, name: &str) -> String {
+        self.pods.iter().find(|p| p.name == name).map(|p| p.addr.to_string()).expect("pod")
+    }
+}
+
+fn served_by(r: &reqwest::Response) -> String {
+    r.headers().get("x-pod").and_then(|v| v.to_str().ok()).unwrap_or("").to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wasm_chain_matches_reference_vectors() {
+    let rig = rig(Answer::Status(503), json!({})).await;
+    let toks = "[0,1,2,3,4,5,6,7,8,9]";
+    let cases = [
+        (format!(r#"{{"model":"m","prompt":{toks}}}"#), vec![12505186680924831797u64, 7943115681171077851]),
+        (format!(r#"{{"model":"a","prompt":{toks}}}"#), vec![14521725862862998063, 12194196787045017334]),
+        (format!(r#"{{"model":"m","prompt":{toks},"cache_salt":"s"}}"#), vec![354002652557409732, 10636323012749482335]),
+        (format!(r#"{{"model":"m2","prompt":{toks}}}"#), vec![16843217685244874434, 3919959493303384019]),
+        (
+            r#"{"model":"m","prompt":"The quick brown fox jumps over the lazy dog"}"#.to_string(),
+            vec![5154235071411025064, 2942950958069661582],
+        ),
+    ];
+    for (body, _) in &cases {
+        let r = rig.post("/v1/completions", body, &[]).await;
+        assert_eq!(r.status(), 200, "fails open on a 503 from the sidecar");
+    }
+    let log = rig.sidecar.log.lock();
+    assert_eq!(log.routes.len(), cases.len());
+    for (got, (_, want)) in log.routes.iter().zip(&cases) {
+        assert_eq!(&got.chain, want, "chain computed in Envoy's v8 for model {}", got.model);
+    }
+    assert_eq!(log.routes[1].adapter, "a");
+    assert_eq!(log.routes[1].model, "m");
+    println!("wasm32 (Envoy v8) reproduced all {} REFERENCE §3 vectors", cases.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn steers_to_the_sidecars_pod_and_strips_spoofed_headers() {
+    let rig = rig(Answer::Status(503), json!({})).await;
+    let b = rig.pod("b");
+    rig.sidecar.set_answer(Answer::Pod(b.clone()));
+    let a = rig.pod("a");
+    for _ in 0..6 {
+        let r = rig.post("/v1/completions", r#"{"model":"m","prompt":[1,2,3,4,5]}"#, &[("x-gateway-destination-endpoint", &a)]).await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(served_by(&r), "b", "steered to the sidecar's pod, not the client's");
+    }
+    // Not routed (GET, other path) still loses the client's steering header.
+    rig.sidecar.set_answer(Answer::Status(503));
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..6 {
+        let r = rig
+            .http
+            .get(rig.envoy.url("/v1/models"))
+            .header("x-gateway-destination-endpoint", &a)
+            .send()
+            .await
+            .expect("get");
+        assert_eq!(r.status(), 200);
+        seen.insert(served_by(&r));
+    }
+    assert!(seen.len() > 1, "a spoofed header must not pin GETs to one pod: {seen:?}");
+    assert_eq!(rig.envoy.stat("wasmcustom.kvroute_routed"), Some(6));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fails_open_on_every_sidecar_failure() {
+    let rig = rig(Answer::Garbage, json!({"timeout_ms": 50})).await;
+    let body = r#"{"model":"m","prompt":[1,2,3,4,5,6,7,8]}"#;
+    // Garbage answer.
+    assert_eq!(rig.post("/v1/completions", body, &[]).await.status(), 200);
+    // Error status.
+    rig.sidecar.set_answer(Answer::Status(500));
+    assert_eq!(rig.post("/v1/completions", body, &[]).await.status(), 200);
+    // A pod outside the cluster: Envoy's override-host falls back by itself.
+    rig.sidecar.set_answer(Answer::Pod("127.0.0.1:1".into()));
+    assert_eq!(rig.post("/v1/completions", body, &[]).await.status(), 200);
+    // Slower than the timeout: the request goes on after ~timeout.
+    rig.sidecar.set_answer(Answer::Pod(rig.pod("c")));
+    rig.sidecar.set_delay(Duration::from_millis(800));
+    let t0 = Instant::now();
+    for _ in 0..5 {
+        assert_eq!(rig.post("/v1/completions", body, &[]).await.status(), 200);
+    }
+    let per = t0.elapsed() / 5;
+    println!("sidecar 800 ms slow, timeout 50 ms: {per:?} per request");
+    assert!(per < Duration::from_millis(400), "timeout bounds the wait: {per:?}");
+    assert!(rig.envoy.stat("wasmcustom.kvroute_fail_open_timeout").unwrap_or(0) >= 5);
+    assert!(rig.envoy.stat("wasmcustom.kvroute_fail_open_bad_answer").unwrap_or(0) >= 1);
+    assert!(rig.envoy.stat("wasmcustom.kvroute_fail_open_sidecar_error").unwrap_or(0) >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sidecar_down_means_plain_load_balancing() {
+    let rig = rig(Answer::Status(503), json!({})).await;
+    // Point Envoy at a sidecar address nobody listens on.
+    let dead = std::net::SocketAddr::from(([127, 0, 0, 1], kvroute_tests::procs::free_port()));
+    let layout = EnvoyLayout {
+        listen_port: 0,
+        sidecar: SidecarAddr::Tcp(dead),
+        engines: rig.pods.iter().map(|p| p.addr).collect(),
+        wasm_path: kvroute_tests::wasm_path(),
+        filter_config: json!({"default_model": {"block_size": 4}}),
+        with_filter: true,
+        fallback: Fallback::RoundRobin,
+        access_log: false,
+    };
+    let envoy = tokio::task::spawn_blocking(move || Envoy::start(&layout)).await.expect("join").expect("envoy");
+    let mut pods = std::collections::HashSet::new();
+    for i in 0..30 {
+        let r = rig
+            .http
+            .post(envoy.url("/v1/completions"))
+            .body(format!(r#"{{"model":"m","prompt":[{i},2,3,4,5]}}"#))
+            .send()
+            .await
+            .expect("request");
+        assert_eq!(r.status(), 200);
+        pods.insert(served_by(&r));
+    }
+    assert_eq!(pods.len(), 3, "fallback round-robin spreads requests");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn odd_requests_pass_through_unharmed() {
+    let rig = rig(Answer::Status(503), json!({"max_body_bytes": 65536})).await;
+    rig.sidecar.set_answer(Answer::Pod(rig.pod("a")));
+    for body in ["{not json", "[]", r#"{"prompt": 5}"#, "\u{1F600}"] {
+        let r = rig.post("/v1/completions", body, &[]).await;
+        assert_eq!(r.status(), 200, "body {body:?} passes to the engine");
+    }
+    let big = format!(r#"{{"model":"m","prompt":"{}"}}"#, "x".repeat(300_000));
+    assert_eq!(rig.post("/v1/completions", &big, &[]).await.status(), 200);
+    assert_eq!(rig.post("/v1/unknown", "{}", &[]).await.status(), 404);
+    assert_eq!(rig.sidecar.log.lock().routes.len(), 0, "none of these was routed");
+    assert!(rig.envoy.stat("wasmcustom.kvroute_fail_open_bad_json").unwrap_or(0) >= 3);
+    assert_eq!(rig.envoy.stat("wasmcustom.kvroute_fail_open_body_too_large"), Some(1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_pass_chunk_by_chunk_and_usage_is_reported() {
+    let rig = rig(Answer::Status(503), json!({})).await;
+    rig.sidecar.set_answer(Answer::Pod(rig.pod("b")));
+    let t0 = Instant::now();
+    let mut r = rig
+        .post("/v1/completions", r#"{"model":"m","prompt":[1,2,3,4,5,6,7,8],"stream":true}"#, &[("x-request-id", "req-42")])
+        .await;
+    assert_eq!(served_by(&r), "b");
+    let first = r.chunk().await.expect("read").expect("a first chunk");
+    let first_at = t0.elapsed();
+    let mut rest = Vec::new();
+    while let Some(c) = r.chunk().await.expect("read") {
+        rest.extend_from_slice(&c);
+    }
+    let total = t0.elapsed();
+    assert!(String::from_utf8_lossy(&first).starts_with("data: "));
+    assert!(total - first_at > Duration::from_millis(300), "first chunk {first_at:?} arrived well before the end {total:?}");
+    // The report comes from on_log, after the stream ends.
+    let report = kvroute_tests::procs::wait_until(Duration::from_secs(5), || rig.sidecar.log.lock().reports.first().cloned())
+        .expect("a completion report");
+    assert_eq!(report.request_id, "req-42");
+    assert_eq!(report.pod, rig.pod("b"));
+    assert_eq!((report.status, report.cached_tokens, report.prompt_tokens), (200, Some(7), Some(10)));
+    // Non-streaming JSON usage too.
+    let r = rig.post("/v1/chat/completions", r#"{"model":"m","messages":[{"role":"user","content":"hello there, how are you?"}]}"#, &[]).await;
+    assert_eq!(r.status(), 200);
+    let n = kvroute_tests::procs::wait_until(Duration::from_secs(5), || {
+        let l = rig.sidecar.log.lock();
+        (l.reports.len() == 2).then(|| l.reports[1].cached_tokens)
+    });
+    assert_eq!(n, Some(Some(7)));
+}
