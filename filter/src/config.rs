@@ -23,7 +23,11 @@ pub struct ModelSettings {
 
 impl Default for ModelSettings {
     fn default() -> Self {
-        ModelSettings { block_size: 16, text_block_bytes: 256, route_text: true }
+        ModelSettings {
+            block_size: 16,
+            text_block_bytes: 256,
+            route_text: true,
+        }
     }
 }
 
@@ -83,7 +87,9 @@ impl Default for FilterConfig {
 }
 
 fn valid_header_name(h: &str) -> bool {
-    !h.is_empty() && h.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+    !h.is_empty()
+        && h.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
 impl FilterConfig {
@@ -92,7 +98,8 @@ impl FilterConfig {
         let cfg: FilterConfig = match bytes {
             None => FilterConfig::default(),
             Some(b) if b.iter().all(u8::is_ascii_whitespace) => FilterConfig::default(),
-            Some(b) => serde_json::from_slice(b).map_err(|e| vec![format!("configuration is not valid: {e}")])?,
+            Some(b) => serde_json::from_slice(b)
+                .map_err(|e| vec![format!("configuration is not valid: {e}")])?,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -103,45 +110,70 @@ impl FilterConfig {
         if self.sidecar_cluster.is_empty() {
             errs.push("sidecar_cluster must not be empty".to_string());
         }
-        for (name, p) in [("route_path", &self.route_path), ("report_path", &self.report_path)] {
+        for (name, p) in [
+            ("route_path", &self.route_path),
+            ("report_path", &self.report_path),
+        ] {
             if !p.starts_with('/') {
                 errs.push(format!("{name} must start with '/' (got {p:?})"));
             }
         }
         if self.timeout_ms == 0 || self.timeout_ms > 10_000 {
-            errs.push(format!("timeout_ms must be in 1..=10000 (got {})", self.timeout_ms));
+            errs.push(format!(
+                "timeout_ms must be in 1..=10000 (got {})",
+                self.timeout_ms
+            ));
         }
         if self.paths.is_empty() {
             errs.push("paths must list at least one path".to_string());
         }
         for p in &self.paths {
             if kvroute_shared::canon::Endpoint::from_path(p).is_none() {
-                errs.push(format!("paths: {p:?} is not an OpenAI completions or chat completions path"));
+                errs.push(format!(
+                    "paths: {p:?} is not an OpenAI completions or chat completions path"
+                ));
             }
         }
         if self.max_body_bytes == 0 {
             errs.push("max_body_bytes must be > 0".to_string());
         }
-        for (name, h) in [("steer_header", &self.steer_header), ("prefill_header", &self.prefill_header)] {
+        for (name, h) in [
+            ("steer_header", &self.steer_header),
+            ("prefill_header", &self.prefill_header),
+        ] {
             if !valid_header_name(h) {
-                errs.push(format!("{name} must be a lowercase header name (got {h:?})"));
+                errs.push(format!(
+                    "{name} must be a lowercase header name (got {h:?})"
+                ));
             }
         }
         if !self.session_header.is_empty() && !valid_header_name(&self.session_header) {
-            errs.push(format!("session_header must be a lowercase header name (got {:?})", self.session_header));
+            errs.push(format!(
+                "session_header must be a lowercase header name (got {:?})",
+                self.session_header
+            ));
         }
         let models = std::iter::once(("default_model", &self.default_model))
             .chain(self.models.iter().map(|(k, v)| (k.as_str(), v)));
         for (name, m) in models {
             if m.block_size == 0 || m.block_size > 1 << 20 {
-                errs.push(format!("{name}: block_size must be in 1..=1048576 (got {})", m.block_size));
+                errs.push(format!(
+                    "{name}: block_size must be in 1..=1048576 (got {})",
+                    m.block_size
+                ));
             }
             if m.text_block_bytes < 16 || m.text_block_bytes > 1 << 20 {
-                errs.push(format!("{name}: text_block_bytes must be in 16..=1048576 (got {})", m.text_block_bytes));
+                errs.push(format!(
+                    "{name}: text_block_bytes must be in 16..=1048576 (got {})",
+                    m.text_block_bytes
+                ));
             }
         }
         if self.usage_window_bytes < 256 || self.usage_window_bytes > 1 << 20 {
-            errs.push(format!("usage_window_bytes must be in 256..=1048576 (got {})", self.usage_window_bytes));
+            errs.push(format!(
+                "usage_window_bytes must be in 256..=1048576 (got {})",
+                self.usage_window_bytes
+            ));
         }
         if errs.is_empty() {
             Ok(())
@@ -168,7 +200,10 @@ mod tests {
     #[test]
     fn defaults_are_valid() {
         assert_eq!(FilterConfig::parse(None), Ok(FilterConfig::default()));
-        assert_eq!(FilterConfig::parse(Some(b"  ")), Ok(FilterConfig::default()));
+        assert_eq!(
+            FilterConfig::parse(Some(b"  ")),
+            Ok(FilterConfig::default())
+        );
         assert!(FilterConfig::parse(Some(b"{}")).is_ok());
     }
 

@@ -53,7 +53,11 @@ impl Metrics {
     }
 
     fn skip(&self, reason: Skip) {
-        let id = self.skipped.iter().find(|(s, _)| *s == reason).and_then(|(_, id)| *id);
+        let id = self
+            .skipped
+            .iter()
+            .find(|(s, _)| *s == reason)
+            .and_then(|(_, id)| *id);
         Self::inc(id, 1);
     }
 }
@@ -71,15 +75,23 @@ impl Context for Root {}
 
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {
-        let raw = hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX).ok().flatten();
+        let raw = hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
+            .ok()
+            .flatten();
         match FilterConfig::parse(raw.as_deref()) {
             Ok(cfg) => {
-                self.shared = Some(Rc::new(Shared { cfg, metrics: Metrics::define() }));
+                self.shared = Some(Rc::new(Shared {
+                    cfg,
+                    metrics: Metrics::define(),
+                }));
                 true
             }
             Err(errs) => {
                 for e in errs {
-                    let _ = hostcalls::log(LogLevel::Error, &format!("kvroute: invalid plugin configuration: {e}"));
+                    let _ = hostcalls::log(
+                        LogLevel::Error,
+                        &format!("kvroute: invalid plugin configuration: {e}"),
+                    );
                 }
                 false
             }
@@ -89,7 +101,10 @@ impl RootContext for Root {
     fn create_http_context(&self, _id: u32) -> Option<Box<dyn HttpContext>> {
         // Without a valid config Envoy has refused the plugin; a pass-through context keeps
         // the function total anyway.
-        Some(Box::new(Http { shared: self.shared.clone(), state: State::PassThrough }))
+        Some(Box::new(Http {
+            shared: self.shared.clone(),
+            state: State::PassThrough,
+        }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -101,11 +116,27 @@ enum State {
     /// Not ours: every callback continues.
     PassThrough,
     /// Holding headers while Envoy buffers the body.
-    Buffering { path: String, request_id: Option<String>, session: Option<String> },
+    Buffering {
+        path: String,
+        request_id: Option<String>,
+        session: Option<String>,
+    },
     /// Waiting for the sidecar's answer.
-    Calling { token: u32, sent: Option<SystemTime>, model: String, request_id: String },
+    Calling {
+        token: u32,
+        sent: Option<SystemTime>,
+        model: String,
+        request_id: String,
+    },
     /// The request went on (steered or not); watch the response for `usage`.
-    Forwarded { model: String, request_id: String, steered: Option<logic::Steer>, status: u16, tail: Tail, start: Option<SystemTime> },
+    Forwarded {
+        model: String,
+        request_id: String,
+        steered: Option<logic::Steer>,
+        status: u16,
+        tail: Tail,
+        start: Option<SystemTime>,
+    },
 }
 
 struct Http {
@@ -125,17 +156,44 @@ fn now() -> Option<SystemTime> {
 }
 
 impl Http {
-    fn forward(&mut self, sh: &Shared, model: String, request_id: String, steered: Option<logic::Steer>) {
+    fn forward(
+        &mut self,
+        sh: &Shared,
+        model: String,
+        request_id: String,
+        steered: Option<logic::Steer>,
+    ) {
         let start = now();
         let tail = Tail::new(sh.cfg.usage_window_bytes);
-        self.state = State::Forwarded { model, request_id, steered, status: 0, tail, start };
+        self.state = State::Forwarded {
+            model,
+            request_id,
+            steered,
+            status: 0,
+            tail,
+            start,
+        };
     }
 }
 
 impl Context for Http {
-    fn on_http_call_response(&mut self, token_id: u32, _headers: usize, body_size: usize, _trailers: usize) {
-        let Some(sh) = self.shared.clone() else { return };
-        let State::Calling { token, sent, model, request_id } = std::mem::replace(&mut self.state, State::PassThrough) else {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        _headers: usize,
+        body_size: usize,
+        _trailers: usize,
+    ) {
+        let Some(sh) = self.shared.clone() else {
+            return;
+        };
+        let State::Calling {
+            token,
+            sent,
+            model,
+            request_id,
+        } = std::mem::replace(&mut self.state, State::PassThrough)
+        else {
             return;
         };
         if token != token_id {
@@ -147,12 +205,22 @@ impl Context for Http {
             }
         }
         let status = header(MapType::HttpCallResponseHeaders, ":status");
-        let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).ok().flatten();
+        let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+            .ok()
+            .flatten();
         let steered = match logic::interpret(status.as_deref(), body.as_deref()) {
             Ok(steer) => {
-                let set = hostcalls::set_map_value(MapType::HttpRequestHeaders, &sh.cfg.steer_header, Some(&steer.pod));
+                let set = hostcalls::set_map_value(
+                    MapType::HttpRequestHeaders,
+                    &sh.cfg.steer_header,
+                    Some(&steer.pod),
+                );
                 let set_prefill = match &steer.prefill_pod {
-                    Some(p) => hostcalls::set_map_value(MapType::HttpRequestHeaders, &sh.cfg.prefill_header, Some(p)),
+                    Some(p) => hostcalls::set_map_value(
+                        MapType::HttpRequestHeaders,
+                        &sh.cfg.prefill_header,
+                        Some(p),
+                    ),
                     None => Ok(()),
                 };
                 if set.is_ok() && set_prefill.is_ok() {
@@ -175,7 +243,9 @@ impl Context for Http {
 
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
-        let Some(sh) = self.shared.clone() else { return Action::Continue };
+        let Some(sh) = self.shared.clone() else {
+            return Action::Continue;
+        };
         // Clients never choose the pod: drop their copies of the steering headers on
         // every request, routed or not (otherwise a client could reach any host).
         let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &sh.cfg.steer_header, None);
@@ -199,8 +269,17 @@ impl HttpContext for Http {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        let Some(sh) = self.shared.clone() else { return Action::Continue };
-        let State::Buffering { path, request_id, session } = &self.state else { return Action::Continue };
+        let Some(sh) = self.shared.clone() else {
+            return Action::Continue;
+        };
+        let State::Buffering {
+            path,
+            request_id,
+            session,
+        } = &self.state
+        else {
+            return Action::Continue;
+        };
         if body_size > sh.cfg.max_body_bytes {
             sh.metrics.skip(Skip::BodyTooLarge);
             self.state = State::PassThrough;
@@ -210,9 +289,18 @@ impl HttpContext for Http {
             return Action::Pause;
         }
         Metrics::inc(sh.metrics.body_bytes, body_size as i64);
-        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size).ok().flatten().unwrap_or_default();
+        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
         let rid = request_id.clone().unwrap_or_default();
-        let prepared = match logic::prepare(&sh.cfg, path, &body, request_id.as_deref(), session.as_deref()) {
+        let prepared = match logic::prepare(
+            &sh.cfg,
+            path,
+            &body,
+            request_id.as_deref(),
+            session.as_deref(),
+        ) {
             Ok(p) => p,
             Err(reason) => {
                 sh.metrics.skip(reason);
@@ -228,9 +316,20 @@ impl HttpContext for Http {
             ("content-type", "application/json"),
         ];
         let timeout = Duration::from_millis(sh.cfg.timeout_ms);
-        match hostcalls::dispatch_http_call(&sh.cfg.sidecar_cluster, headers, Some(&prepared.route_body), vec![], timeout) {
+        match hostcalls::dispatch_http_call(
+            &sh.cfg.sidecar_cluster,
+            headers,
+            Some(&prepared.route_body),
+            vec![],
+            timeout,
+        ) {
             Ok(token) => {
-                self.state = State::Calling { token, sent: now(), model: prepared.model, request_id: rid };
+                self.state = State::Calling {
+                    token,
+                    sent: now(),
+                    model: prepared.model,
+                    request_id: rid,
+                };
                 Action::Pause
             }
             Err(_) => {
@@ -242,14 +341,29 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_headers(&mut self, _n: usize, _eos: bool) -> Action {
-        let Some(sh) = self.shared.clone() else { return Action::Continue };
-        if let State::Forwarded { status, steered, .. } = &mut self.state {
-            *status = header(MapType::HttpResponseHeaders, ":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        let Some(sh) = self.shared.clone() else {
+            return Action::Continue;
+        };
+        if let State::Forwarded {
+            status, steered, ..
+        } = &mut self.state
+        {
+            *status = header(MapType::HttpResponseHeaders, ":status")
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(0);
             if sh.cfg.debug_headers {
                 if let Some(s) = steered {
-                    let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, "x-kvroute-pod", Some(&s.pod));
+                    let _ = hostcalls::set_map_value(
+                        MapType::HttpResponseHeaders,
+                        "x-kvroute-pod",
+                        Some(&s.pod),
+                    );
                     let m = s.matched_blocks.to_string();
-                    let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, "x-kvroute-matched-blocks", Some(&m));
+                    let _ = hostcalls::set_map_value(
+                        MapType::HttpResponseHeaders,
+                        "x-kvroute-matched-blocks",
+                        Some(&m),
+                    );
                 }
             }
         }
@@ -259,7 +373,9 @@ impl HttpContext for Http {
     fn on_http_response_body(&mut self, body_size: usize, _eos: bool) -> Action {
         // Never buffer the response: each chunk goes on at once; only its tail is kept.
         if let State::Forwarded { tail, .. } = &mut self.state {
-            if let Ok(Some(chunk)) = hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size) {
+            if let Ok(Some(chunk)) =
+                hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size)
+            {
                 tail.push(&chunk);
             }
         }
@@ -267,19 +383,36 @@ impl HttpContext for Http {
     }
 
     fn on_log(&mut self) {
-        let Some(sh) = self.shared.clone() else { return };
+        let Some(sh) = self.shared.clone() else {
+            return;
+        };
         if !sh.cfg.report {
             return;
         }
-        let State::Forwarded { model, request_id, steered, status, tail, start } = &self.state else { return };
+        let State::Forwarded {
+            model,
+            request_id,
+            steered,
+            status,
+            tail,
+            start,
+        } = &self.state
+        else {
+            return;
+        };
         // The pod that actually served: Envoy's upstream address, else the one we chose.
         let upstream = hostcalls::get_property(vec!["upstream", "address"])
             .ok()
             .flatten()
             .map(|b| String::from_utf8_lossy(&b).into_owned());
-        let Some(pod) = upstream.or_else(|| steered.as_ref().map(|s| s.pod.clone())) else { return };
+        let Some(pod) = upstream.or_else(|| steered.as_ref().map(|s| s.pod.clone())) else {
+            return;
+        };
         let duration_ms = match (start, now()) {
-            (Some(a), Some(b)) => b.duration_since(*a).map(|d| d.as_secs_f64() * 1e3).unwrap_or(0.0),
+            (Some(a), Some(b)) => b
+                .duration_since(*a)
+                .map(|d| d.as_secs_f64() * 1e3)
+                .unwrap_or(0.0),
             _ => 0.0,
         };
         let body = logic::report(request_id, model, &pod, *status, tail.usage(), duration_ms);
@@ -290,7 +423,15 @@ impl HttpContext for Http {
             ("content-type", "application/json"),
         ];
         let timeout = Duration::from_millis(sh.cfg.timeout_ms.max(1000));
-        if hostcalls::dispatch_http_call(&sh.cfg.sidecar_cluster, headers, Some(&body), vec![], timeout).is_ok() {
+        if hostcalls::dispatch_http_call(
+            &sh.cfg.sidecar_cluster,
+            headers,
+            Some(&body),
+            vec![],
+            timeout,
+        )
+        .is_ok()
+        {
             Metrics::inc(sh.metrics.reports, 1);
         }
     }

@@ -107,12 +107,19 @@ pub fn prepare(
         chain: chained.chain,
         prompt_tokens,
         request_id: request_id.map(str::to_owned),
-        session: session.map(str::to_owned).or_else(|| req.user.as_deref().map(str::to_owned)),
+        session: session
+            .map(str::to_owned)
+            .or_else(|| req.user.as_deref().map(str::to_owned)),
         role: None,
         dry_run: false,
     };
     let route_body = serde_json::to_vec(&route).map_err(|_| Skip::BadAnswer)?;
-    Ok(Prepared { model: route.model, blocks, prompt_tokens, route_body })
+    Ok(Prepared {
+        model: route.model,
+        blocks,
+        prompt_tokens,
+        route_body,
+    })
 }
 
 /// A usable answer from the sidecar.
@@ -127,11 +134,15 @@ pub struct Steer {
 /// Envoy's override-host policy falls back for hosts outside the cluster anyway; this
 /// keeps garbage (and header injection) out of the request.
 pub fn valid_endpoint(s: &str) -> bool {
-    let Some((host, port)) = s.rsplit_once(':') else { return false };
+    let Some((host, port)) = s.rsplit_once(':') else {
+        return false;
+    };
     let port_ok = !port.is_empty() && port.len() <= 5 && port.bytes().all(|b| b.is_ascii_digit());
     let host_ok = !host.is_empty()
         && host.len() <= 253
-        && host.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_' | b':' | b'[' | b']'));
+        && host.bytes().all(|b| {
+            b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_' | b':' | b'[' | b']')
+        });
     port_ok && host_ok
 }
 
@@ -150,8 +161,16 @@ pub fn interpret(status: Option<&str>, body: Option<&[u8]>) -> Result<Steer, Ski
         return Err(Skip::BadAnswer);
     }
     let prefill_pod = resp.prefill_pod.filter(|p| valid_endpoint(p));
-    let matched_blocks = resp.ranked.iter().find(|r| r.pod == resp.pod).map_or(0, |r| r.matched_blocks);
-    Ok(Steer { pod: resp.pod, prefill_pod, matched_blocks })
+    let matched_blocks = resp
+        .ranked
+        .iter()
+        .find(|r| r.pod == resp.pod)
+        .map_or(0, |r| r.matched_blocks);
+    Ok(Steer {
+        pod: resp.pod,
+        prefill_pod,
+        matched_blocks,
+    })
 }
 
 /// The completion report sent from `on_log`.
@@ -209,15 +228,42 @@ mod tests {
     #[test]
     fn skips_have_reasons() {
         let c = cfg();
-        assert_eq!(prepare(&c, "/v1/completions", b"{oops", None, None), Err(Skip::BadJson));
-        assert_eq!(prepare(&c, "/v1/completions", b"{}", None, None), Err(Skip::NoPrompt));
-        assert_eq!(prepare(&c, "/v1/completions", br#"{"prompt":""}"#, None, None), Err(Skip::EmptyPrompt));
+        assert_eq!(
+            prepare(&c, "/v1/completions", b"{oops", None, None),
+            Err(Skip::BadJson)
+        );
+        assert_eq!(
+            prepare(&c, "/v1/completions", b"{}", None, None),
+            Err(Skip::NoPrompt)
+        );
+        assert_eq!(
+            prepare(&c, "/v1/completions", br#"{"prompt":""}"#, None, None),
+            Err(Skip::EmptyPrompt)
+        );
         let mut small = cfg();
         small.max_body_bytes = 8;
-        assert_eq!(prepare(&small, "/v1/completions", br#"{"prompt":"long"}"#, None, None), Err(Skip::BodyTooLarge));
+        assert_eq!(
+            prepare(
+                &small,
+                "/v1/completions",
+                br#"{"prompt":"long"}"#,
+                None,
+                None
+            ),
+            Err(Skip::BodyTooLarge)
+        );
         let mut tokens_only = cfg();
         tokens_only.default_model.route_text = false;
-        assert_eq!(prepare(&tokens_only, "/v1/completions", br#"{"prompt":"x"}"#, None, None), Err(Skip::TextNotRouted));
+        assert_eq!(
+            prepare(
+                &tokens_only,
+                "/v1/completions",
+                br#"{"prompt":"x"}"#,
+                None,
+                None
+            ),
+            Err(Skip::TextNotRouted)
+        );
         let labels: std::collections::HashSet<_> = Skip::ALL.iter().map(|s| s.as_str()).collect();
         assert_eq!(labels.len(), Skip::ALL.len());
     }
@@ -227,7 +273,11 @@ mod tests {
         let ok = br#"{"pod":"127.0.0.1:8001","ranked":[{"pod":"127.0.0.1:8001","matched_blocks":3}],"policy_version":1}"#;
         assert_eq!(
             interpret(Some("200"), Some(ok)),
-            Ok(Steer { pod: "127.0.0.1:8001".into(), prefill_pod: None, matched_blocks: 3 })
+            Ok(Steer {
+                pod: "127.0.0.1:8001".into(),
+                prefill_pod: None,
+                matched_blocks: 3
+            })
         );
         assert_eq!(interpret(Some("504"), None), Err(Skip::Timeout));
         assert_eq!(interpret(Some("503"), Some(b"{}")), Err(Skip::NoPod));
@@ -254,10 +304,15 @@ mod tests {
         let u = Usage {
             prompt_tokens: Some(10),
             completion_tokens: Some(2),
-            prompt_tokens_details: Some(crate::usage::Details { cached_tokens: Some(8) }),
+            prompt_tokens_details: Some(crate::usage::Details {
+                cached_tokens: Some(8),
+            }),
         };
         let r: CompletionReport =
             serde_json::from_slice(&report("r", "m", "p:1", 200, Some(u), 1.5)).expect("json");
-        assert_eq!((r.cached_tokens, r.status, r.pod.as_str()), (Some(8), 200, "p:1"));
+        assert_eq!(
+            (r.cached_tokens, r.status, r.pod.as_str()),
+            (Some(8), 200, "p:1")
+        );
     }
 }

@@ -38,13 +38,17 @@ pub struct Tail {
 
 impl Tail {
     pub fn new(cap: usize) -> Tail {
-        Tail { buf: Vec::new(), cap }
+        Tail {
+            buf: Vec::new(),
+            cap,
+        }
     }
 
     pub fn push(&mut self, chunk: &[u8]) {
         if chunk.len() >= self.cap {
             self.buf.clear();
-            self.buf.extend_from_slice(chunk.get(chunk.len() - self.cap..).unwrap_or_default());
+            self.buf
+                .extend_from_slice(chunk.get(chunk.len() - self.cap..).unwrap_or_default());
             return;
         }
         let total = self.buf.len() + chunk.len();
@@ -130,7 +134,10 @@ mod tests {
                 t.push(c);
             }
             let u = t.usage().expect("usage found");
-            assert_eq!((u.prompt_tokens, u.completion_tokens, u.cached_tokens()), (Some(40), Some(7), Some(32)));
+            assert_eq!(
+                (u.prompt_tokens, u.completion_tokens, u.cached_tokens()),
+                (Some(40), Some(7), Some(32))
+            );
         }
     }
 

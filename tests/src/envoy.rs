@@ -44,7 +44,9 @@ impl EnvoyLayout {
         EnvoyLayout {
             listen_port: 10000,
             sidecar: SidecarAddr::Uds("/tmp/kvroute/sidecar.sock".into()),
-            engines: (8001..=8004).map(|p| SocketAddr::from(([127, 0, 0, 1], p))).collect(),
+            engines: (8001..=8004)
+                .map(|p| SocketAddr::from(([127, 0, 0, 1], p)))
+                .collect(),
             wasm_path: "target/wasm32-wasip1/wasm/kvroute_filter.wasm".into(),
             filter_config: serde_json::json!({"timeout_ms": 25, "default_model": {"block_size": 16}}),
             with_filter: true,
@@ -56,7 +58,11 @@ impl EnvoyLayout {
     pub fn render(&self) -> String {
         let sidecar_addr = match &self.sidecar {
             SidecarAddr::Uds(p) => format!("pipe: {{ path: {} }}", p.display()),
-            SidecarAddr::Tcp(a) => format!("socket_address: {{ address: {}, port_value: {} }}", a.ip(), a.port()),
+            SidecarAddr::Tcp(a) => format!(
+                "socket_address: {{ address: {}, port_value: {} }}",
+                a.ip(),
+                a.port()
+            ),
         };
         let engines: String = self
             .engines
@@ -69,7 +75,8 @@ impl EnvoyLayout {
                 )
             })
             .collect();
-        let filter_json = serde_json::to_string(&self.filter_config).unwrap_or_else(|_| "{}".into());
+        let filter_json =
+            serde_json::to_string(&self.filter_config).unwrap_or_else(|_| "{}".into());
         let wasm_filter = if self.with_filter {
             format!(
                 r#"
@@ -208,9 +215,8 @@ impl Envoy {
         layout.listen_port = 0;
         std::fs::write(&cfg, layout.render())?;
         let admin_file = dir.path().join("admin");
-        let bootstrap_admin = format!(
-            "{{admin: {{address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}}}}}"
-        );
+        let bootstrap_admin =
+            "{admin: {address: {socket_address: {address: 127.0.0.1, port_value: 0}}}}";
         let log = dir.path().join("envoy.log");
         let child = Child::spawn(
             "envoy",
@@ -226,12 +232,20 @@ impl Envoy {
             Some(&log),
         )?;
         let admin = wait_until(Duration::from_secs(20), || {
-            std::fs::read_to_string(&admin_file).ok().filter(|s| !s.trim().is_empty()).map(|s| s.trim().to_string())
+            std::fs::read_to_string(&admin_file)
+                .ok()
+                .filter(|s| !s.trim().is_empty())
+                .map(|s| s.trim().to_string())
         })
         .ok_or_else(|| anyhow::anyhow!("envoy did not start: {}", tail(&log)))?;
         let port = wait_until(Duration::from_secs(20), || listener_port(&admin))
             .ok_or_else(|| anyhow::anyhow!("envoy listener not ready: {}", tail(&log)))?;
-        Ok(Envoy { port, admin, _child: child, _dir: dir })
+        Ok(Envoy {
+            port,
+            admin,
+            _child: child,
+            _dir: dir,
+        })
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -259,17 +273,27 @@ fn tail(path: &Path) -> String {
 pub fn http_get(url: &str) -> Option<String> {
     use std::io::{Read, Write};
     let rest = url.strip_prefix("http://")?;
-    let (hostport, path) = rest.split_once('/').map(|(h, p)| (h, format!("/{p}"))).unwrap_or((rest, "/".into()));
+    let (hostport, path) = rest
+        .split_once('/')
+        .map(|(h, p)| (h, format!("/{p}")))
+        .unwrap_or((rest, "/".into()));
     let mut s = std::net::TcpStream::connect(hostport).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: {hostport}\r\nConnection: close\r\n\r\n").ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {hostport}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
     let mut out = String::new();
     s.read_to_string(&mut out).ok()?;
     let (head, body) = out.split_once("\r\n\r\n")?;
     if !head.starts_with("HTTP/1.") {
         return None;
     }
-    if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
         return dechunk(body);
     }
     Some(body.to_string())
@@ -291,7 +315,8 @@ fn dechunk(mut body: &str) -> Option<String> {
 fn listener_port(admin: &str) -> Option<u16> {
     let body = http_get(&format!("http://{admin}/listeners?format=json"))?;
     let v: serde_json::Value = serde_json::from_str(&body).ok()?;
-    let port = v["listener_statuses"][0]["local_address"]["socket_address"]["port_value"].as_u64()?;
+    let port =
+        v["listener_statuses"][0]["local_address"]["socket_address"]["port_value"].as_u64()?;
     let ready = http_get(&format!("http://{admin}/ready"))?;
     (ready.trim() == "LIVE" && port > 0).then_some(port as u16)
 }

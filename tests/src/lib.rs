@@ -9,6 +9,8 @@ pub mod stub;
 /// Path of the filter module built for wasm32-wasip1 with the `wasm` profile.
 pub fn wasm_path() -> std::path::PathBuf {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let target = std::env::var("CARGO_TARGET_DIR").map(std::path::PathBuf::from).unwrap_or_else(|_| root.join("target"));
+    let target = std::env::var("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|_| root.join("target"));
     target.join("wasm32-wasip1/wasm/kvroute_filter.wasm")
 }

@@ -34,7 +34,10 @@ impl Child {
             .process_group(0)
             .spawn()
             .with_context(|| format!("starting {name} ({:?})", cmd.get_program()))?;
-        Ok(Child { name: name.to_string(), inner })
+        Ok(Child {
+            name: name.to_string(),
+            inner,
+        })
     }
 
     pub fn pid(&self) -> u32 {

@@ -85,7 +85,11 @@ async fn route(State(st): State<Arc<SidecarState>>, body: Bytes) -> Response {
     match answer {
         Answer::Pod(pod) => {
             let resp = RouteResponse {
-                ranked: vec![Ranked { pod: pod.clone(), matched_blocks: n, score: None }],
+                ranked: vec![Ranked {
+                    pod: pod.clone(),
+                    matched_blocks: n,
+                    score: None,
+                }],
                 pod,
                 tier_hint: None,
                 prefill_pod: None,
@@ -94,7 +98,9 @@ async fn route(State(st): State<Arc<SidecarState>>, body: Bytes) -> Response {
             };
             axum::Json(resp).into_response()
         }
-        Answer::Status(s) => StatusCode::from_u16(s).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR).into_response(),
+        Answer::Status(s) => StatusCode::from_u16(s)
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+            .into_response(),
         Answer::Garbage => "{not json".into_response(),
     }
 }
@@ -122,7 +128,9 @@ struct PodState {
 
 impl StubPod {
     pub async fn start(name: &str) -> anyhow::Result<StubPod> {
-        let st = PodState { name: name.to_string() };
+        let st = PodState {
+            name: name.to_string(),
+        };
         let app = Router::new()
             .route("/v1/completions", post(complete))
             .route("/v1/chat/completions", post(complete))
@@ -131,7 +139,10 @@ impl StubPod {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         tokio::spawn(async move { axum::serve(listener, app).await });
-        Ok(StubPod { addr, name: name.to_string() })
+        Ok(StubPod {
+            addr,
+            name: name.to_string(),
+        })
     }
 }
 
@@ -154,13 +165,17 @@ async fn complete(State(st): State<PodState>, headers: HeaderMap, body: Bytes) -
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(8);
         tokio::spawn(async move {
             for i in 0..5 {
-                let chunk = format!("data: {{\"choices\":[{{\"text\":\"t{i}\"}}],\"usage\":null}}\n\n");
+                let chunk =
+                    format!("data: {{\"choices\":[{{\"text\":\"t{i}\"}}],\"usage\":null}}\n\n");
                 if tx.send(Ok(Bytes::from(chunk))).await.is_err() {
                     return;
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            let last = format!("data: {}\n\ndata: [DONE]\n\n", serde_json::json!({"choices": [], "usage": usage}));
+            let last = format!(
+                "data: {}\n\ndata: [DONE]\n\n",
+                serde_json::json!({"choices": [], "usage": usage})
+            );
             let _ = tx.send(Ok(Bytes::from(last))).await;
         });
         let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
@@ -173,5 +188,9 @@ async fn complete(State(st): State<PodState>, headers: HeaderMap, body: Bytes) -
     }
     let resp = serde_json::json!({"id": "cmpl", "object": "text_completion",
                                   "choices": [{"text": "ok", "index": 0}], "usage": usage});
-    ([("x-pod", st.name), ("x-seen-steer", steered)], axum::Json(resp)).into_response()
+    (
+        [("x-pod", st.name), ("x-seen-steer", steered)],
+        axum::Json(resp),
+    )
+        .into_response()
 }

@@ -31,5 +31,9 @@ fn envoy_validates_shipped_config() {
         .arg(&cfg)
         .output()
         .expect("run envoy --mode validate");
-    assert!(out.status.success(), "envoy rejected the config: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "envoy rejected the config: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -18,7 +18,11 @@ struct Rig {
 
 async fn rig(answer: Answer, filter_extra: serde_json::Value) -> Rig {
     let wasm = kvroute_tests::wasm_path();
-    assert!(wasm.exists(), "build the filter first: make wasm ({} missing)", wasm.display());
+    assert!(
+        wasm.exists(),
+        "build the filter first: make wasm ({} missing)",
+        wasm.display()
+    );
     let sidecar = StubSidecar::start(answer).await.expect("stub sidecar");
     let mut pods = Vec::new();
     for name in ["a", "b", "c"] {
@@ -46,12 +50,21 @@ async fn rig(answer: Answer, filter_extra: serde_json::Value) -> Rig {
         .await
         .expect("join")
         .expect("envoy starts");
-    Rig { sidecar, pods, envoy, http: reqwest::Client::new() }
+    Rig {
+        sidecar,
+        pods,
+        envoy,
+        http: reqwest::Client::new(),
+    }
 }
 
 impl Rig {
     async fn post(&self, path: &str, body: &str, headers: &[(&str, &str)]) -> reqwest::Response {
-        let mut r = self.http.post(self.envoy.url(path)).body(body.to_string()).header("content-type", "application/json");
+        let mut r = self
+            .http
+            .post(self.envoy.url(path))
+            .body(body.to_string())
+            .header("content-type", "application/json");
         for (k, v) in headers {
             r = r.header(*k, *v);
         }
@@ -59,12 +72,20 @@ impl Rig {
     }
 
     fn pod(&self, name: &str) -> String {
-        self.pods.iter().find(|p| p.name == name).map(|p| p.addr.to_string()).expect("pod")
+        self.pods
+            .iter()
+            .find(|p| p.name == name)
+            .map(|p| p.addr.to_string())
+            .expect("pod")
     }
 }
 
 fn served_by(r: &reqwest::Response) -> String {
-    r.headers().get("x-pod").and_then(|v| v.to_str().ok()).unwrap_or("").to_string()
+    r.headers()
+        .get("x-pod")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -72,10 +93,22 @@ async fn wasm_chain_matches_reference_vectors() {
     let rig = rig(Answer::Status(503), json!({})).await;
     let toks = "[0,1,2,3,4,5,6,7,8,9]";
     let cases = [
-        (format!(r#"{{"model":"m","prompt":{toks}}}"#), vec![12505186680924831797u64, 7943115681171077851]),
-        (format!(r#"{{"model":"a","prompt":{toks}}}"#), vec![14521725862862998063, 12194196787045017334]),
-        (format!(r#"{{"model":"m","prompt":{toks},"cache_salt":"s"}}"#), vec![354002652557409732, 10636323012749482335]),
-        (format!(r#"{{"model":"m2","prompt":{toks}}}"#), vec![16843217685244874434, 3919959493303384019]),
+        (
+            format!(r#"{{"model":"m","prompt":{toks}}}"#),
+            vec![12505186680924831797u64, 7943115681171077851],
+        ),
+        (
+            format!(r#"{{"model":"a","prompt":{toks}}}"#),
+            vec![14521725862862998063, 12194196787045017334],
+        ),
+        (
+            format!(r#"{{"model":"m","prompt":{toks},"cache_salt":"s"}}"#),
+            vec![354002652557409732, 10636323012749482335],
+        ),
+        (
+            format!(r#"{{"model":"m2","prompt":{toks}}}"#),
+            vec![16843217685244874434, 3919959493303384019],
+        ),
         (
             r#"{"model":"m","prompt":"The quick brown fox jumps over the lazy dog"}"#.to_string(),
             vec![5154235071411025064, 2942950958069661582],
@@ -88,11 +121,18 @@ async fn wasm_chain_matches_reference_vectors() {
     let log = rig.sidecar.log.lock();
     assert_eq!(log.routes.len(), cases.len());
     for (got, (_, want)) in log.routes.iter().zip(&cases) {
-        assert_eq!(&got.chain, want, "chain computed in Envoy's v8 for model {}", got.model);
+        assert_eq!(
+            &got.chain, want,
+            "chain computed in Envoy's v8 for model {}",
+            got.model
+        );
     }
     assert_eq!(log.routes[1].adapter, "a");
     assert_eq!(log.routes[1].model, "m");
-    println!("wasm32 (Envoy v8) reproduced all {} REFERENCE §3 vectors", cases.len());
+    println!(
+        "wasm32 (Envoy v8) reproduced all {} REFERENCE §3 vectors",
+        cases.len()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -102,9 +142,19 @@ async fn steers_to_the_sidecars_pod_and_strips_spoofed_headers() {
     rig.sidecar.set_answer(Answer::Pod(b.clone()));
     let a = rig.pod("a");
     for _ in 0..6 {
-        let r = rig.post("/v1/completions", r#"{"model":"m","prompt":[1,2,3,4,5]}"#, &[("x-gateway-destination-endpoint", &a)]).await;
+        let r = rig
+            .post(
+                "/v1/completions",
+                r#"{"model":"m","prompt":[1,2,3,4,5]}"#,
+                &[("x-gateway-destination-endpoint", &a)],
+            )
+            .await;
         assert_eq!(r.status(), 200);
-        assert_eq!(served_by(&r), "b", "steered to the sidecar's pod, not the client's");
+        assert_eq!(
+            served_by(&r),
+            "b",
+            "steered to the sidecar's pod, not the client's"
+        );
     }
     // Not routed (GET, other path) still loses the client's steering header.
     rig.sidecar.set_answer(Answer::Status(503));
@@ -120,7 +170,10 @@ async fn steers_to_the_sidecars_pod_and_strips_spoofed_headers() {
         assert_eq!(r.status(), 200);
         seen.insert(served_by(&r));
     }
-    assert!(seen.len() > 1, "a spoofed header must not pin GETs to one pod: {seen:?}");
+    assert!(
+        seen.len() > 1,
+        "a spoofed header must not pin GETs to one pod: {seen:?}"
+    );
     assert_eq!(rig.envoy.stat("wasmcustom.kvroute_routed"), Some(6));
 }
 
@@ -145,10 +198,28 @@ async fn fails_open_on_every_sidecar_failure() {
     }
     let per = t0.elapsed() / 5;
     println!("sidecar 800 ms slow, timeout 50 ms: {per:?} per request");
-    assert!(per < Duration::from_millis(400), "timeout bounds the wait: {per:?}");
-    assert!(rig.envoy.stat("wasmcustom.kvroute_fail_open_timeout").unwrap_or(0) >= 5);
-    assert!(rig.envoy.stat("wasmcustom.kvroute_fail_open_bad_answer").unwrap_or(0) >= 1);
-    assert!(rig.envoy.stat("wasmcustom.kvroute_fail_open_sidecar_error").unwrap_or(0) >= 1);
+    assert!(
+        per < Duration::from_millis(400),
+        "timeout bounds the wait: {per:?}"
+    );
+    assert!(
+        rig.envoy
+            .stat("wasmcustom.kvroute_fail_open_timeout")
+            .unwrap_or(0)
+            >= 5
+    );
+    assert!(
+        rig.envoy
+            .stat("wasmcustom.kvroute_fail_open_bad_answer")
+            .unwrap_or(0)
+            >= 1
+    );
+    assert!(
+        rig.envoy
+            .stat("wasmcustom.kvroute_fail_open_sidecar_error")
+            .unwrap_or(0)
+            >= 1
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -166,7 +237,10 @@ async fn sidecar_down_means_plain_load_balancing() {
         fallback: Fallback::RoundRobin,
         access_log: false,
     };
-    let envoy = tokio::task::spawn_blocking(move || Envoy::start(&layout)).await.expect("join").expect("envoy");
+    let envoy = tokio::task::spawn_blocking(move || Envoy::start(&layout))
+        .await
+        .expect("join")
+        .expect("envoy");
     let mut pods = std::collections::HashSet::new();
     for i in 0..30 {
         let r = rig
@@ -193,9 +267,22 @@ async fn odd_requests_pass_through_unharmed() {
     let big = format!(r#"{{"model":"m","prompt":"{}"}}"#, "x".repeat(300_000));
     assert_eq!(rig.post("/v1/completions", &big, &[]).await.status(), 200);
     assert_eq!(rig.post("/v1/unknown", "{}", &[]).await.status(), 404);
-    assert_eq!(rig.sidecar.log.lock().routes.len(), 0, "none of these was routed");
-    assert!(rig.envoy.stat("wasmcustom.kvroute_fail_open_bad_json").unwrap_or(0) >= 3);
-    assert_eq!(rig.envoy.stat("wasmcustom.kvroute_fail_open_body_too_large"), Some(1));
+    assert_eq!(
+        rig.sidecar.log.lock().routes.len(),
+        0,
+        "none of these was routed"
+    );
+    assert!(
+        rig.envoy
+            .stat("wasmcustom.kvroute_fail_open_bad_json")
+            .unwrap_or(0)
+            >= 3
+    );
+    assert_eq!(
+        rig.envoy
+            .stat("wasmcustom.kvroute_fail_open_body_too_large"),
+        Some(1)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -204,7 +291,11 @@ async fn streams_pass_chunk_by_chunk_and_usage_is_reported() {
     rig.sidecar.set_answer(Answer::Pod(rig.pod("b")));
     let t0 = Instant::now();
     let mut r = rig
-        .post("/v1/completions", r#"{"model":"m","prompt":[1,2,3,4,5,6,7,8],"stream":true}"#, &[("x-request-id", "req-42")])
+        .post(
+            "/v1/completions",
+            r#"{"model":"m","prompt":[1,2,3,4,5,6,7,8],"stream":true}"#,
+            &[("x-request-id", "req-42")],
+        )
         .await;
     assert_eq!(served_by(&r), "b");
     let first = r.chunk().await.expect("read").expect("a first chunk");
@@ -215,15 +306,29 @@ async fn streams_pass_chunk_by_chunk_and_usage_is_reported() {
     }
     let total = t0.elapsed();
     assert!(String::from_utf8_lossy(&first).starts_with("data: "));
-    assert!(total - first_at > Duration::from_millis(300), "first chunk {first_at:?} arrived well before the end {total:?}");
+    assert!(
+        total - first_at > Duration::from_millis(300),
+        "first chunk {first_at:?} arrived well before the end {total:?}"
+    );
     // The report comes from on_log, after the stream ends.
-    let report = kvroute_tests::procs::wait_until(Duration::from_secs(5), || rig.sidecar.log.lock().reports.first().cloned())
-        .expect("a completion report");
+    let report = kvroute_tests::procs::wait_until(Duration::from_secs(5), || {
+        rig.sidecar.log.lock().reports.first().cloned()
+    })
+    .expect("a completion report");
     assert_eq!(report.request_id, "req-42");
     assert_eq!(report.pod, rig.pod("b"));
-    assert_eq!((report.status, report.cached_tokens, report.prompt_tokens), (200, Some(7), Some(10)));
+    assert_eq!(
+        (report.status, report.cached_tokens, report.prompt_tokens),
+        (200, Some(7), Some(10))
+    );
     // Non-streaming JSON usage too.
-    let r = rig.post("/v1/chat/completions", r#"{"model":"m","messages":[{"role":"user","content":"hello there, how are you?"}]}"#, &[]).await;
+    let r = rig
+        .post(
+            "/v1/chat/completions",
+            r#"{"model":"m","messages":[{"role":"user","content":"hello there, how are you?"}]}"#,
+            &[],
+        )
+        .await;
     assert_eq!(r.status(), 200);
     let n = kvroute_tests::procs::wait_until(Duration::from_secs(5), || {
         let l = rig.sidecar.log.lock();
