@@ -2,8 +2,12 @@
 //! filter, the sidecar, NATS and simulated engines — for end-to-end tests, the demo and
 //! the benchmarks.
 
+pub mod bench;
+pub mod cache;
 pub mod envoy;
 pub mod procs;
+pub mod radix;
+pub mod workload;
 pub mod stub;
 
 /// Path of the filter module built for wasm32-wasip1 with the `wasm` profile.
