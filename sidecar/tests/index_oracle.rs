@@ -145,7 +145,7 @@ proptest! {
                 Op::Lookup { chain, len } => {
                     let c = &chains[chain][..len];
                     let want = oracle.lookup(c);
-                    for s in [Walk::Linear, Walk::Binary] {
+                    for s in [Walk::Linear, Walk::Binary, Walk::Kary] {
                         ix.set_strategy(s);
                         prop_assert_eq!(sorted(&ix, c), want.clone(), "{:?}", s);
                     }

@@ -116,6 +116,9 @@ pub enum Strategy {
     Auto { linear_max: usize },
     Linear,
     Binary,
+    /// k-ary search: each round probes several chain positions under one batch of shard
+    /// locks, so their cache misses overlap instead of queueing one after another.
+    Kary,
 }
 
 impl Default for Strategy {
@@ -440,17 +443,14 @@ impl ModelIndex {
     /// a k at which the pod does not hold the last matched block.
     pub fn lookup_slots(&self, chain: &[u64], out: &mut Vec<(u8, u32)>) {
         let strategy = *self.strategy.read();
-        let linear = match strategy {
-            Strategy::Linear => true,
-            Strategy::Binary => false,
-            Strategy::Auto { linear_max } => chain.len() <= linear_max,
-        };
         let alive = self.alive.snapshot();
         let start = out.len();
-        if linear {
-            self.walk_linear(chain, alive, out);
-        } else {
-            self.walk_binary(chain, alive, out);
+        match strategy {
+            Strategy::Linear => self.walk_linear(chain, alive, out),
+            Strategy::Binary => self.walk_binary(chain, alive, out),
+            Strategy::Kary => self.walk_kary(chain, alive, out),
+            Strategy::Auto { linear_max } if chain.len() <= linear_max => self.walk_linear(chain, alive, out),
+            Strategy::Auto { .. } => self.walk_kary(chain, alive, out),
         }
         out[start..].sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
     }
@@ -503,6 +503,93 @@ impl ModelIndex {
         }
     }
 
+    /// Probe several keys at once: take every shard lock first, then read every entry, so
+    /// the reads (each one or two cache misses on a large index) are independent loads the
+    /// CPU can overlap; a lock per probe would serialize them (a locked instruction is a
+    /// full barrier on x86).
+    fn probe_batch(&self, keys: &[u64], out: &mut [HostBitmap]) {
+        // read_recursive: the same shard may appear twice in a batch, and a plain read
+        // lock taken twice can deadlock behind a waiting writer.
+        let guards: [Option<parking_lot::RwLockReadGuard<'_, Shard>>; KARY_BATCH] =
+            std::array::from_fn(|i| keys.get(i).map(|k| self.shard(*k).read_recursive()));
+        for ((g, k), o) in guards.iter().zip(keys).zip(out.iter_mut()) {
+            if let Some(g) = g {
+                *o = g.get(*k);
+            }
+        }
+    }
+
+    fn walk_kary(&self, chain: &[u64], alive: HostBitmap, out: &mut Vec<(u8, u32)>) {
+        let n = chain.len() as u32;
+        if n == 0 {
+            return;
+        }
+        // Round 0: the first and the last block. A miss ends here; a full hit is found.
+        let mut got = [HostBitmap::EMPTY; KARY_BATCH];
+        let first_last = [chain[0], chain[n as usize - 1]];
+        self.probe_batch(&first_last, &mut got);
+        let c0 = got[0].and(alive);
+        if c0.is_empty() {
+            return;
+        }
+        let full = got[1].and(c0);
+        emit(full, n, out);
+        let rest = c0.and_not(full);
+        if rest.is_empty() || n == 1 {
+            return;
+        }
+        // Pods in `set` have depth in [lo, hi].
+        let mut work: Vec<(u32, u32, HostBitmap)> = vec![(1, n - 1, rest)];
+        let mut next = Vec::new();
+        let mut keys = [0u64; KARY_BATCH];
+        let mut pos = [0u32; KARY_BATCH];
+        while !work.is_empty() {
+            // Share the batch among the open intervals.
+            let fan = (KARY_BATCH / work.len()).clamp(1, KARY_FANOUT);
+            let mut k = 0;
+            let mut plan: Vec<(usize, usize)> = Vec::with_capacity(work.len()); // (first, count) in keys
+            for &(lo, hi, _) in &work {
+                let w = hi - lo; // candidate depths above lo
+                let f = (fan as u32).min(w).min((KARY_BATCH - k) as u32) as usize;
+                let first = k;
+                for j in 1..=f {
+                    // Evenly spaced depths in (lo, hi]; probing depth p means H(p-1).
+                    let p = lo + ((w as u64 * j as u64) / (f as u64 + 1)) as u32 + 1;
+                    pos[k] = p.min(hi);
+                    keys[k] = chain[pos[k] as usize - 1];
+                    k += 1;
+                }
+                plan.push((first, f));
+            }
+            self.probe_batch(&keys[..k], &mut got[..k]);
+            next.clear();
+            for (&(lo, hi, set), &(first, f)) in work.iter().zip(&plan) {
+                if f == 0 {
+                    emit(set, lo, out);
+                    continue;
+                }
+                let mut cur = set;
+                let mut prev = lo;
+                for j in first..first + f {
+                    let held = cur.and(got[j]);
+                    let gone = cur.and_not(held);
+                    if !gone.is_empty() {
+                        push_interval(&mut next, prev, pos[j] - 1, gone, out);
+                    }
+                    cur = held;
+                    prev = pos[j];
+                    if cur.is_empty() {
+                        break;
+                    }
+                }
+                if !cur.is_empty() {
+                    push_interval(&mut next, prev, hi, cur, out);
+                }
+            }
+            std::mem::swap(&mut work, &mut next);
+        }
+    }
+
     /// Where the pod's first `depth` blocks of `chain` live (asked for the winner only).
     pub fn tier_hint(&self, slot: u8, chain: &[u64], depth: u32) -> TierHint {
         let blocks = &chain[..(depth as usize).min(chain.len())];
@@ -544,6 +631,17 @@ impl ModelIndex {
         }
         v.sort_unstable();
         v
+    }
+}
+
+const KARY_BATCH: usize = 16;
+const KARY_FANOUT: usize = 8;
+
+fn push_interval(next: &mut Vec<(u32, u32, HostBitmap)>, lo: u32, hi: u32, set: HostBitmap, out: &mut Vec<(u8, u32)>) {
+    if lo >= hi {
+        emit(set, lo, out);
+    } else {
+        next.push((lo, hi, set));
     }
 }
 

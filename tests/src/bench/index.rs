@@ -111,7 +111,7 @@ pub fn run(o: &Opts) -> serde_json::Value {
 
     // Strategy table: linear vs binary by chain length.
     println!("  strategy (hit p50 ns by chain length):");
-    println!("    {:>6} {:>8} {:>8}", "len", "linear", "binary");
+    println!("    {:>6} {:>8} {:>8} {:>8}", "len", "linear", "binary", "k-ary");
     let mut strategy = Vec::new();
     for len in [2usize, 4, 8, 16, 32, 64, 128] {
         if len > o.depth {
@@ -121,8 +121,10 @@ pub fn run(o: &Opts) -> serde_json::Value {
         let l = lookups(&ix, &d, o.lookups / 4, len, 5).pct(50.0);
         ix.set_strategy(Strategy::Binary);
         let b = lookups(&ix, &d, o.lookups / 4, len, 5).pct(50.0);
-        println!("    {len:>6} {l:>8} {b:>8}");
-        strategy.push(json!({"len": len, "linear_p50_ns": l, "binary_p50_ns": b}));
+        ix.set_strategy(Strategy::Kary);
+        let k = lookups(&ix, &d, o.lookups / 4, len, 5).pct(50.0);
+        println!("    {len:>6} {l:>8} {b:>8} {k:>8}");
+        strategy.push(json!({"len": len, "linear_p50_ns": l, "binary_p50_ns": b, "kary_p50_ns": k}));
     }
     ix.set_strategy(Strategy::default());
 
