@@ -23,6 +23,7 @@
 
 pub mod bitmap;
 pub mod shard;
+pub mod table;
 pub mod tiers;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -40,6 +41,8 @@ pub const SHARDS: usize = 256;
 const FIB: u64 = 0x9E37_79B9_7F4A_7C15;
 /// Blocks applied per hold of the slot table's read lock.
 const CHUNK: usize = 256;
+/// Table positions scanned per shard-lock hold during cleanup (~16 KiB of slots).
+const CLEANUP_SLICE: usize = 1024;
 
 #[inline]
 pub fn shard_of(hash: u64) -> usize {
@@ -242,6 +245,12 @@ impl ModelIndex {
     /// Phase 1 of removal: the pod vanishes from every lookup that starts after this
     /// returns. Its slot stays reserved until [`ModelIndex::cleanup`].
     pub fn retire(&self, pod: &str) -> Option<Retired> {
+        // The flip first, under the read lock only: lookups exclude the pod from here on,
+        // without waiting for the table's writers and readers to drain.
+        {
+            let t = self.slots.read();
+            self.alive.remove(*t.by_name.get(pod)?);
+        }
         let mut t = self.slots.write();
         let slot = t.by_name.remove(pod)?;
         self.alive.remove(slot);
@@ -255,10 +264,33 @@ impl ModelIndex {
     /// tier data, then free the slot. Returns the entries that held it.
     pub fn cleanup(&self, r: Retired) -> u64 {
         let mut cleared = 0;
+        let mut emptied = Vec::new();
         for s in self.shards.iter() {
-            cleared += s.0.write().clear_slot(r.slot);
-            // Let lookups and writers in between shards.
-            std::thread::yield_now();
+            // Bounded lock holds: clear bits a slice of the table at a time, then delete the
+            // emptied entries a batch at a time. A resize between slices moves entries, so
+            // the scan restarts (clearing is idempotent).
+            let mut pos = Some(0);
+            let mut layout = s.0.read().layout_gen();
+            while let Some(from) = pos {
+                let mut g = s.0.write();
+                if g.layout_gen() != layout {
+                    layout = g.layout_gen();
+                    pos = Some(0);
+                    continue;
+                }
+                let (c, next) = g.clear_slot_part(r.slot, from, CLEANUP_SLICE, &mut emptied);
+                cleared += c;
+                pos = next;
+                drop(g);
+                std::thread::yield_now();
+            }
+            for batch in emptied.chunks(CLEANUP_SLICE / 4) {
+                let mut g = s.0.write();
+                for &k in batch {
+                    g.remove_if_empty(k);
+                }
+            }
+            emptied.clear();
         }
         let pd = &self.pods[r.slot as usize];
         pd.writer.lock().clear();
@@ -512,6 +544,11 @@ impl ModelIndex {
         // lock taken twice can deadlock behind a waiting writer.
         let guards: [Option<parking_lot::RwLockReadGuard<'_, Shard>>; KARY_BATCH] =
             std::array::from_fn(|i| keys.get(i).map(|k| self.shard(*k).read_recursive()));
+        for (g, k) in guards.iter().zip(keys) {
+            if let Some(g) = g {
+                g.prefetch(*k);
+            }
+        }
         for ((g, k), o) in guards.iter().zip(keys).zip(out.iter_mut()) {
             if let Some(g) = g {
                 *o = g.get(*k);

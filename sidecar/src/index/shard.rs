@@ -15,6 +15,7 @@ use std::collections::VecDeque;
 use std::hash::{BuildHasher, Hasher};
 
 use super::bitmap::HostBitmap;
+use super::table::Table;
 
 const TAG_SHIFT: u32 = 56;
 const COUNT_MASK: u64 = 0x0F;
@@ -121,7 +122,7 @@ pub enum Change {
 }
 
 pub struct Shard {
-    map: hashbrown::HashMap<u64, Holders, KeyHasher>,
+    map: Table,
     /// Full bitmaps of blocks held by more than seven pods.
     wide: Vec<HostBitmap>,
     free_wide: Vec<u32>,
@@ -132,7 +133,7 @@ pub struct Shard {
 impl Shard {
     pub fn new(hasher: KeyHasher) -> Shard {
         Shard {
-            map: hashbrown::HashMap::with_hasher(hasher),
+            map: Table::new(hasher),
             wide: Vec::new(),
             free_wide: Vec::new(),
             ring: VecDeque::new(),
@@ -150,10 +151,15 @@ impl Shard {
     /// Pods holding `key` (empty if none).
     #[inline]
     pub fn get(&self, key: u64) -> HostBitmap {
-        match self.map.get(&key) {
-            Some(h) => self.expand(*h),
+        match self.map.get(key) {
+            Some(h) => self.expand(Holders(h)),
             None => HostBitmap::EMPTY,
         }
+    }
+
+    #[inline]
+    pub fn prefetch(&self, key: u64) {
+        self.map.prefetch(key);
     }
 
     #[inline]
@@ -205,9 +211,9 @@ impl Shard {
 
     /// Set `slot` on `key`.
     pub fn store(&mut self, key: u64, slot: u8) -> Change {
-        match self.map.get(&key).copied() {
+        match self.map.get(key).map(Holders) {
             None => {
-                self.map.insert(key, Holders::inline_one(slot));
+                self.map.insert(key, Holders::inline_one(slot).0);
                 self.ring.push_back(key);
                 Change::Added
             }
@@ -216,13 +222,13 @@ impl Shard {
                 if b.contains(slot) {
                     // A repeat store is the only recency signal engines give: mark it.
                     if !h.referenced() {
-                        self.map.insert(key, h.with_ref(true));
+                        self.map.insert(key, h.with_ref(true).0);
                     }
                     return Change::Unchanged;
                 }
                 b.set(slot);
                 let packed = self.pack(b, Some(h), true);
-                self.map.insert(key, packed);
+                self.map.insert(key, packed.0);
                 Change::Added
             }
         }
@@ -230,7 +236,7 @@ impl Shard {
 
     /// Clear `slot` on `key`; the entry goes when no pod is left.
     pub fn remove(&mut self, key: u64, slot: u8) -> Change {
-        let Some(h) = self.map.get(&key).copied() else { return Change::Unchanged };
+        let Some(h) = self.map.get(key).map(Holders) else { return Change::Unchanged };
         let mut b = self.expand(h);
         if !b.contains(slot) {
             return Change::Unchanged;
@@ -240,7 +246,7 @@ impl Shard {
             self.delete(key, h);
         } else {
             let packed = self.pack(b, Some(h), h.referenced());
-            self.map.insert(key, packed);
+            self.map.insert(key, packed.0);
         }
         Change::Removed
     }
@@ -249,7 +255,7 @@ impl Shard {
         if h.is_wide() {
             self.free_wide.push(h.slab() as u32);
         }
-        self.map.remove(&key);
+        self.map.remove(key);
         self.compact_ring_if_stale();
     }
 
@@ -258,8 +264,8 @@ impl Shard {
         // dominate so the ring stays O(entries).
         if self.ring.len() > 64 && self.ring.len() > 2 * self.map.len() {
             let map = &self.map;
-            let mut seen = hashbrown::HashSet::with_capacity_and_hasher(map.len(), *map.hasher());
-            self.ring.retain(|k| map.contains_key(k) && seen.insert(*k));
+            let mut seen = std::collections::HashSet::with_capacity(map.len());
+            self.ring.retain(|k| map.get(*k).is_some() && seen.insert(*k));
         }
     }
 
@@ -268,14 +274,27 @@ impl Shard {
         let mut cleared = 0u64;
         let mut freed = Vec::new();
         let wide = &mut self.wide;
-        self.map.retain(|_, h| {
+        self.map.retain(|_, raw| {
+            let mut hv = Holders(*raw);
+            let h = &mut hv;
+            let keep = Self::clear_in(h, slot, wide, &mut freed, &mut cleared);
+            *raw = hv.0;
+            keep
+        });
+        self.free_wide.extend(freed);
+        self.compact_ring_if_stale();
+        cleared
+    }
+
+    fn clear_in(h: &mut Holders, slot: u8, wide: &mut [HostBitmap], freed: &mut Vec<u32>, cleared: &mut u64) -> bool {
+        {
             if h.is_wide() {
                 let Some(b) = wide.get_mut(h.slab()) else { return false };
                 if !b.contains(slot) {
                     return true;
                 }
                 b.clear(slot);
-                cleared += 1;
+                *cleared += 1;
                 if b.count() as u64 <= INLINE_MAX {
                     let mut v = (b.count() as u64) << TAG_SHIFT;
                     for (i, s) in b.iter().enumerate() {
@@ -288,7 +307,7 @@ impl Shard {
             }
             let n = h.count();
             let Some(pos) = (0..n).find(|&i| h.inline_slot(i) == slot) else { return true };
-            cleared += 1;
+            *cleared += 1;
             if n == 1 {
                 return false;
             }
@@ -299,10 +318,45 @@ impl Shard {
             v = (v & !(COUNT_MASK << TAG_SHIFT)) | ((n - 1) << TAG_SHIFT);
             *h = Holders(v);
             true
+        }
+    }
+
+    /// Incremental form of [`Shard::clear_slot`] for bounded lock hold times: clears the
+    /// slot's bit in table positions `[from, from + n)` without deleting anything (entries
+    /// left with no holder stay, empty, and are collected into `emptied` for
+    /// [`Shard::remove_if_empty`]). Returns the cleared count and where to continue.
+    pub fn clear_slot_part(&mut self, slot: u8, from: usize, n: usize, emptied: &mut Vec<u64>) -> (u64, Option<usize>) {
+        let mut cleared = 0u64;
+        let mut freed = Vec::new();
+        let wide = &mut self.wide;
+        let next = self.map.scan(from, n, |key, raw| {
+            let mut h = Holders(*raw);
+            let had = h.count();
+            if !Self::clear_in(&mut h, slot, wide, &mut freed, &mut cleared) {
+                // Last holder gone: keep an empty inline entry for now.
+                h = Holders(0);
+                emptied.push(key);
+            } else if had == 0 {
+                return;
+            }
+            *raw = h.0;
         });
         self.free_wide.extend(freed);
-        self.compact_ring_if_stale();
-        cleared
+        (cleared, next)
+    }
+
+    /// Delete `key` if it has no holder (a writer may have stored it again meanwhile).
+    pub fn remove_if_empty(&mut self, key: u64) {
+        if let Some(h) = self.map.get(key).map(Holders) {
+            if !h.is_wide() && h.count() == 0 {
+                self.map.remove(key);
+            }
+        }
+    }
+
+    /// Changes whenever table positions move (see [`Shard::clear_slot_part`]).
+    pub fn layout_gen(&self) -> u64 {
+        self.map.gen
     }
 
     /// CLOCK eviction until the shard holds at most `cap` entries. Returns the evicted
@@ -314,9 +368,9 @@ impl Shard {
         while self.map.len() > cap && budget > 0 {
             budget -= 1;
             let Some(key) = self.ring.pop_front() else { break };
-            let Some(h) = self.map.get(&key).copied() else { continue };
+            let Some(h) = self.map.get(key).map(Holders) else { continue };
             if h.referenced() {
-                self.map.insert(key, h.with_ref(false));
+                self.map.insert(key, h.with_ref(false).0);
                 self.ring.push_back(key);
                 continue;
             }
@@ -324,7 +378,7 @@ impl Shard {
             if h.is_wide() {
                 self.free_wide.push(h.slab() as u32);
             }
-            self.map.remove(&key);
+            self.map.remove(key);
             evicted += 1;
         }
         evicted
@@ -332,8 +386,7 @@ impl Shard {
 
     /// Heap bytes this shard holds (table, slab, ring).
     pub fn heap_bytes(&self) -> usize {
-        let slot = std::mem::size_of::<(u64, Holders)>() + 1;
-        self.map.capacity() * slot
+        self.map.capacity() * 16
             + self.wide.capacity() * std::mem::size_of::<HostBitmap>()
             + self.free_wide.capacity() * 4
             + self.ring.capacity() * 8
@@ -341,9 +394,7 @@ impl Shard {
 
     /// Every (key, holders) pair, for dumps and tests.
     pub fn for_each(&self, mut f: impl FnMut(u64, HostBitmap)) {
-        for (k, h) in &self.map {
-            f(*k, self.expand(*h));
-        }
+        self.map.for_each(|k, h| f(k, self.expand(Holders(h))));
     }
 }
 

@@ -1,0 +1,249 @@
+//! The open-addressing table inside a shard: `u64 key → u64 value`, linear probing over
+//! 16-byte slots with backward-shift deletion.
+//!
+//! Why not hashbrown: its control bytes live apart from the buckets, so a probe of a
+//! large table costs two cache misses, and it offers no way to prefetch a key's bucket.
+//! Here a probe usually touches one cache line, and [`Table::prefetch`] lets a lookup
+//! request the lines of many chain positions before reading any of them, so their
+//! misses overlap. Key 0 marks an empty slot; a real key 0 lives in its own field.
+
+use super::shard::KeyHasher;
+use std::hash::BuildHasher;
+
+const MIN_CAP: usize = 16;
+
+pub struct Table {
+    /// Bumped on every resize, so a scan in pieces can tell that positions moved.
+    pub gen: u64,
+    slots: Vec<[u64; 2]>,
+    mask: usize,
+    len: usize,
+    zero: Option<u64>,
+    hasher: KeyHasher,
+}
+
+impl Table {
+    pub fn new(hasher: KeyHasher) -> Table {
+        Table { gen: 0, slots: vec![[0, 0]; MIN_CAP], mask: MIN_CAP - 1, len: 0, zero: None, hasher }
+    }
+
+    #[inline]
+    fn home(&self, key: u64) -> usize {
+        (self.hasher.hash_one(key) as usize) & self.mask
+    }
+
+    pub fn len(&self) -> usize {
+        self.len + self.zero.is_some() as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Ask the CPU to start loading `key`'s home slot.
+    #[inline]
+    pub fn prefetch(&self, key: u64) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let p = self.slots.as_ptr().wrapping_add(self.home(key)) as *const i8;
+            // SAFETY: prefetch never faults and `home` is within the allocation.
+            unsafe { std::arch::x86_64::_mm_prefetch(p, std::arch::x86_64::_MM_HINT_T0) };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = key;
+    }
+
+    #[inline]
+    pub fn get(&self, key: u64) -> Option<u64> {
+        if key == 0 {
+            return self.zero;
+        }
+        let mut i = self.home(key);
+        loop {
+            let [k, v] = self.slots[i];
+            if k == key {
+                return Some(v);
+            }
+            if k == 0 {
+                return None;
+            }
+            i = (i + 1) & self.mask;
+        }
+    }
+
+    /// Insert or overwrite; returns the previous value.
+    pub fn insert(&mut self, key: u64, value: u64) -> Option<u64> {
+        if key == 0 {
+            return self.zero.replace(value);
+        }
+        if (self.len + 1) * 4 > self.slots.len() * 3 {
+            self.resize(self.slots.len() * 2);
+        }
+        let mut i = self.home(key);
+        loop {
+            let [k, v] = self.slots[i];
+            if k == key {
+                self.slots[i][1] = value;
+                return Some(v);
+            }
+            if k == 0 {
+                self.slots[i] = [key, value];
+                self.len += 1;
+                return None;
+            }
+            i = (i + 1) & self.mask;
+        }
+    }
+
+    pub fn remove(&mut self, key: u64) -> Option<u64> {
+        if key == 0 {
+            return self.zero.take();
+        }
+        let mut i = self.home(key);
+        loop {
+            let [k, v] = self.slots[i];
+            if k == 0 {
+                return None;
+            }
+            if k == key {
+                self.delete_at(i);
+                self.maybe_shrink();
+                return Some(v);
+            }
+            i = (i + 1) & self.mask;
+        }
+    }
+
+    /// Backward-shift deletion: pull later members of the probe run into the hole so no
+    /// tombstones accumulate.
+    fn delete_at(&mut self, mut hole: usize) {
+        self.len -= 1;
+        let mut j = hole;
+        loop {
+            j = (j + 1) & self.mask;
+            let [k, _] = self.slots[j];
+            if k == 0 {
+                break;
+            }
+            let h = self.home(k);
+            // Move j into the hole if its home is not within (hole, j] cyclically.
+            let between = if hole <= j { hole < h && h <= j } else { hole < h || h <= j };
+            if !between {
+                self.slots[hole] = self.slots[j];
+                hole = j;
+            }
+        }
+        self.slots[hole] = [0, 0];
+    }
+
+    fn maybe_shrink(&mut self) {
+        if self.slots.len() > MIN_CAP && self.len * 8 < self.slots.len() {
+            self.resize((self.slots.len() / 2).max(MIN_CAP));
+        }
+    }
+
+    fn resize(&mut self, cap: usize) {
+        self.gen += 1;
+        let old = std::mem::replace(&mut self.slots, vec![[0, 0]; cap]);
+        self.mask = cap - 1;
+        for [k, v] in old {
+            if k != 0 {
+                let mut i = self.home(k);
+                while self.slots[i][0] != 0 {
+                    i = (i + 1) & self.mask;
+                }
+                self.slots[i] = [k, v];
+            }
+        }
+    }
+
+    /// Keep entries for which `f` returns true; `f` may rewrite the value.
+    pub fn retain(&mut self, mut f: impl FnMut(u64, &mut u64) -> bool) {
+        if let Some(mut v) = self.zero {
+            self.zero = if f(0, &mut v) { Some(v) } else { None };
+        }
+        // Collect first: deleting shifts entries, which would confuse a single pass.
+        let mut dead = Vec::new();
+        for slot in self.slots.iter_mut() {
+            if slot[0] != 0 && !f(slot[0], &mut slot[1]) {
+                dead.push(slot[0]);
+            }
+        }
+        for k in dead {
+            self.remove(k);
+        }
+    }
+
+    /// Visit slots `[from, from + n)` (and the zero key when `from == 0`) without deleting;
+    /// returns where to continue, or None at the end.
+    pub fn scan(&mut self, from: usize, n: usize, mut f: impl FnMut(u64, &mut u64)) -> Option<usize> {
+        if from == 0 {
+            if let Some(v) = self.zero.as_mut() {
+                f(0, v);
+            }
+        }
+        let end = (from + n).min(self.slots.len());
+        for slot in self.slots.get_mut(from..end).into_iter().flatten() {
+            if slot[0] != 0 {
+                f(slot[0], &mut slot[1]);
+            }
+        }
+        (end < self.slots.len()).then_some(end)
+    }
+
+    pub fn for_each(&self, mut f: impl FnMut(u64, u64)) {
+        if let Some(v) = self.zero {
+            f(0, v);
+        }
+        for &[k, v] in &self.slots {
+            if k != 0 {
+                f(k, v);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn agrees_with_a_hashmap() {
+        let mut t = Table::new(KeyHasher::new(3));
+        let mut m = HashMap::new();
+        let mut x = 1u64;
+        for i in 0..200_000u64 {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let k = (x >> 40) % 5000; // small key space: many collisions, zero included
+            match i % 3 {
+                0 | 1 => assert_eq!(t.insert(k, i), m.insert(k, i)),
+                _ => assert_eq!(t.remove(k), m.remove(&k)),
+            }
+            if i % 1000 == 0 {
+                for k in 0..5000 {
+                    assert_eq!(t.get(k), m.get(&k).copied(), "key {k}");
+                }
+            }
+        }
+        assert_eq!(t.len(), m.len());
+        t.retain(|k, v| {
+            *v += 1;
+            k % 2 == 0
+        });
+        m.retain(|k, _| k % 2 == 0);
+        for (k, v) in &m {
+            assert_eq!(t.get(*k), Some(v + 1));
+        }
+        assert_eq!(t.len(), m.len());
+        for k in m.keys().copied().collect::<Vec<_>>() {
+            t.remove(k);
+        }
+        assert!(t.is_empty());
+        assert_eq!(t.capacity(), MIN_CAP, "shrinks when emptied");
+    }
+}
