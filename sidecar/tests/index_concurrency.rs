@@ -11,8 +11,18 @@ use kvroute_shared::{Mode, Namespace};
 use kvroute_sidecar::index::{ModelIndex, Strategy};
 
 fn chain(seed: u32, n: usize) -> Vec<u64> {
-    let ns = Namespace { mode: Mode::Tokens, block_size: 4, model: "m", adapter: "", cache_salt: "" };
-    ns.chain_tokens(&(0..n as u32 * 4).map(|t| t ^ (seed << 20)).collect::<Vec<_>>())
+    let ns = Namespace {
+        mode: Mode::Tokens,
+        block_size: 4,
+        model: "m",
+        adapter: "",
+        cache_salt: "",
+    };
+    ns.chain_tokens(
+        &(0..n as u32 * 4)
+            .map(|t| t ^ (seed << 20))
+            .collect::<Vec<_>>(),
+    )
 }
 
 #[test]
@@ -23,7 +33,9 @@ fn removed_pods_vanish_and_recycled_slots_start_empty() {
     for c in chains.iter() {
         ix.store(victim, Tier::Gpu, c).expect("store");
     }
-    let writers: Vec<_> = (0..4).map(|i| ix.join(&format!("w{i}")).expect("join")).collect();
+    let writers: Vec<_> = (0..4)
+        .map(|i| ix.join(&format!("w{i}")).expect("join"))
+        .collect();
     let stop = Arc::new(AtomicBool::new(false));
     let retired = Arc::new(AtomicBool::new(false));
     let fresh_joined = Arc::new(AtomicBool::new(false));
@@ -44,10 +56,20 @@ fn removed_pods_vanish_and_recycled_slots_start_empty() {
     };
     let readers: Vec<_> = (0..2)
         .map(|r| {
-            let (ix, chains, stop, retired, fresh, n) =
-                (ix.clone(), chains.clone(), stop.clone(), retired.clone(), fresh_joined.clone(), lookups.clone());
+            let (ix, chains, stop, retired, fresh, n) = (
+                ix.clone(),
+                chains.clone(),
+                stop.clone(),
+                retired.clone(),
+                fresh_joined.clone(),
+                lookups.clone(),
+            );
             std::thread::spawn(move || {
-                ix.set_strategy(if r == 0 { Strategy::Binary } else { Strategy::Linear });
+                ix.set_strategy(if r == 0 {
+                    Strategy::Binary
+                } else {
+                    Strategy::Linear
+                });
                 let mut i = r;
                 while !stop.load(Ordering::Relaxed) {
                     let was_retired = retired.load(Ordering::SeqCst);
@@ -74,9 +96,15 @@ fn removed_pods_vanish_and_recycled_slots_start_empty() {
     retired.store(true, Ordering::SeqCst);
     let t0 = Instant::now();
     let cleared = ix.cleanup(r);
-    println!("cleanup of {cleared} entries under load took {:?}", t0.elapsed());
+    println!(
+        "cleanup of {cleared} entries under load took {:?}",
+        t0.elapsed()
+    );
     let fresh = ix.join("fresh").expect("slot reused");
-    assert_eq!(fresh.slot, victim.slot, "the victim's slot is the one recycled");
+    assert_eq!(
+        fresh.slot, victim.slot,
+        "the victim's slot is the one recycled"
+    );
     fresh_joined.store(true, Ordering::SeqCst);
     std::thread::sleep(Duration::from_millis(200));
     stop.store(true, Ordering::Relaxed);

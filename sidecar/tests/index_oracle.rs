@@ -15,12 +15,24 @@ const PODS: [&str; 5] = ["p0", "p1", "p2", "p3", "p4"];
 /// Six chains of 24 blocks; chains 2k and 2k+1 share their first 6k+3 blocks, so removals
 /// and lookups cross shared prefixes.
 fn chains() -> Vec<Vec<u64>> {
-    let ns = Namespace { mode: Mode::Tokens, block_size: 2, model: "m", adapter: "", cache_salt: "" };
+    let ns = Namespace {
+        mode: Mode::Tokens,
+        block_size: 2,
+        model: "m",
+        adapter: "",
+        cache_salt: "",
+    };
     (0..6u32)
         .map(|c| {
             let shared = (c / 2) * 6 + 3;
             let toks: Vec<u32> = (0..48u32)
-                .map(|t| if t / 2 < shared { t + 1000 * (c / 2) } else { t + 100_000 * c })
+                .map(|t| {
+                    if t / 2 < shared {
+                        t + 1000 * (c / 2)
+                    } else {
+                        t + 100_000 * c
+                    }
+                })
                 .collect();
             ns.chain_tokens(&toks)
         })
@@ -30,12 +42,22 @@ fn chains() -> Vec<Vec<u64>> {
 #[derive(Clone, Debug)]
 enum Op {
     Join(usize),
-    Store { pod: usize, chain: usize, len: usize },
-    EvictLeaves { pod: usize, n: usize },
+    Store {
+        pod: usize,
+        chain: usize,
+        len: usize,
+    },
+    EvictLeaves {
+        pod: usize,
+        n: usize,
+    },
     Clear(usize),
     Remove(usize),
     Cleanup,
-    Lookup { chain: usize, len: usize },
+    Lookup {
+        chain: usize,
+        len: usize,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -79,7 +101,9 @@ fn leaves(held: &HashSet<u64>, chains: &[Vec<u64>]) -> Vec<u64> {
             if !held.contains(b) || out.contains(b) {
                 continue;
             }
-            let has_child = chains.iter().any(|c2| c2.get(i) == Some(b) && c2.get(i + 1).is_some_and(|n| held.contains(n)));
+            let has_child = chains
+                .iter()
+                .any(|c2| c2.get(i) == Some(b) && c2.get(i + 1).is_some_and(|n| held.contains(n)));
             if !has_child {
                 out.push(*b);
             }
@@ -90,7 +114,11 @@ fn leaves(held: &HashSet<u64>, chains: &[Vec<u64>]) -> Vec<u64> {
 }
 
 fn sorted(ix: &ModelIndex, chain: &[u64]) -> Vec<(String, u32)> {
-    let mut v: Vec<_> = ix.lookup(chain).into_iter().map(|m| (m.pod.to_string(), m.depth)).collect();
+    let mut v: Vec<_> = ix
+        .lookup(chain)
+        .into_iter()
+        .map(|m| (m.pod.to_string(), m.depth))
+        .collect();
     v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
     v
 }

@@ -68,7 +68,10 @@ impl BlockCache {
 
     /// Leading blocks of `chain` cached now (no recency change).
     pub fn prefix_hits(&self, chain: &[u64]) -> usize {
-        chain.iter().take_while(|b| self.map.contains_key(b)).count()
+        chain
+            .iter()
+            .take_while(|b| self.map.contains_key(b))
+            .count()
     }
 
     fn unlink(&mut self, i: u32) {
@@ -115,11 +118,19 @@ impl BlockCache {
         }
         let i = match self.free.pop() {
             Some(i) => {
-                self.nodes[i as usize] = Node { key, prev: NIL, next: NIL };
+                self.nodes[i as usize] = Node {
+                    key,
+                    prev: NIL,
+                    next: NIL,
+                };
                 i
             }
             None => {
-                self.nodes.push(Node { key, prev: NIL, next: NIL });
+                self.nodes.push(Node {
+                    key,
+                    prev: NIL,
+                    next: NIL,
+                });
                 (self.nodes.len() - 1) as u32
             }
         };
@@ -132,7 +143,10 @@ impl BlockCache {
     /// computed and cached, evicting least-recent blocks. A chain longer than the cache
     /// keeps only its first `capacity` blocks.
     pub fn admit(&mut self, chain: &[u64]) -> Admitted {
-        let mut out = Admitted { hit_blocks: self.prefix_hits(chain), ..Default::default() };
+        let mut out = Admitted {
+            hit_blocks: self.prefix_hits(chain),
+            ..Default::default()
+        };
         let keep = chain.len().min(self.capacity);
         // From the tail back to the head, so the head ends most recent.
         let mut stored_rev = Vec::new();
@@ -170,7 +184,10 @@ mod tests {
     fn reuse_and_tail_first_eviction() {
         let mut c = BlockCache::new(6);
         let a = c.admit(&[1, 2, 3, 4]);
-        assert_eq!((a.hit_blocks, a.stored.as_slice(), a.removed.len()), (0, &[1, 2, 3, 4][..], 0));
+        assert_eq!(
+            (a.hit_blocks, a.stored.as_slice(), a.removed.len()),
+            (0, &[1, 2, 3, 4][..], 0)
+        );
         let b = c.admit(&[1, 2, 5, 6]);
         assert_eq!((b.hit_blocks, b.stored.as_slice()), (2, &[5, 6][..]));
         // Full: the next chain evicts the least recent tail (4, then 3), not the shared head.

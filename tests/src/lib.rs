@@ -7,8 +7,8 @@ pub mod cache;
 pub mod envoy;
 pub mod procs;
 pub mod radix;
-pub mod workload;
 pub mod stub;
+pub mod workload;
 
 /// Path of the filter module built for wasm32-wasip1 with the `wasm` profile.
 pub fn wasm_path() -> std::path::PathBuf {

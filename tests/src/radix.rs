@@ -24,7 +24,12 @@ const ROOT: u32 = 0;
 impl Default for RadixIndex {
     fn default() -> Self {
         RadixIndex {
-            nodes: vec![Node { children: HashMap::new(), pods: HashSet::new(), parent: u32::MAX, hash: 0 }],
+            nodes: vec![Node {
+                children: HashMap::new(),
+                pods: HashSet::new(),
+                parent: u32::MAX,
+                hash: 0,
+            }],
             free: Vec::new(),
             lookup: HashMap::new(),
         }
@@ -45,7 +50,12 @@ impl RadixIndex {
             let next = match self.nodes[cur as usize].children.get(&b) {
                 Some(&n) => n,
                 None => {
-                    let node = Node { children: HashMap::new(), pods: HashSet::new(), parent: cur, hash: b };
+                    let node = Node {
+                        children: HashMap::new(),
+                        pods: HashSet::new(),
+                        parent: cur,
+                        hash: b,
+                    };
                     let n = match self.free.pop() {
                         Some(i) => {
                             self.nodes[i as usize] = node;
@@ -68,11 +78,16 @@ impl RadixIndex {
 
     pub fn remove(&mut self, pod: u16, blocks: &[u64]) {
         for b in blocks {
-            let Some(n) = self.lookup.get_mut(&pod).and_then(|m| m.remove(b)) else { continue };
+            let Some(n) = self.lookup.get_mut(&pod).and_then(|m| m.remove(b)) else {
+                continue;
+            };
             self.nodes[n as usize].pods.remove(&pod);
             // Prune empty leaves upward.
             let mut cur = n;
-            while cur != ROOT && self.nodes[cur as usize].pods.is_empty() && self.nodes[cur as usize].children.is_empty() {
+            while cur != ROOT
+                && self.nodes[cur as usize].pods.is_empty()
+                && self.nodes[cur as usize].children.is_empty()
+            {
                 let parent = self.nodes[cur as usize].parent;
                 let hash = self.nodes[cur as usize].hash;
                 self.nodes[parent as usize].children.remove(&hash);
@@ -87,7 +102,9 @@ impl RadixIndex {
         let mut scores: HashMap<u16, u32> = HashMap::new();
         let mut cur = ROOT;
         for (i, b) in chain.iter().enumerate() {
-            let Some(&n) = self.nodes[cur as usize].children.get(b) else { break };
+            let Some(&n) = self.nodes[cur as usize].children.get(b) else {
+                break;
+            };
             let node = &self.nodes[n as usize];
             if node.pods.is_empty() {
                 break;

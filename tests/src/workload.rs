@@ -42,14 +42,16 @@ pub fn id_hash(id: u64) -> u64 {
 pub const MOONCAKE_BLOCK_TOKENS: u32 = 512;
 
 pub fn load_mooncake(path: &Path) -> anyhow::Result<Vec<Request>> {
-    let f = std::fs::File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
+    let f =
+        std::fs::File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
     let mut out = Vec::new();
     for (n, line) in std::io::BufReader::new(f).lines().enumerate() {
         let line = line?;
         if line.trim().is_empty() {
             continue;
         }
-        let l: Line = serde_json::from_str(&line).with_context(|| format!("{}:{}: not a trace line", path.display(), n + 1))?;
+        let l: Line = serde_json::from_str(&line)
+            .with_context(|| format!("{}:{}: not a trace line", path.display(), n + 1))?;
         out.push(Request {
             ts_ms: l.timestamp,
             input_tokens: l.input_length,
@@ -63,5 +65,6 @@ pub fn load_mooncake(path: &Path) -> anyhow::Result<Vec<Request>> {
 
 /// The shipped trace (../shared/data beside the repository).
 pub fn default_trace() -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/mooncake_synthetic_trace.jsonl")
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../shared/data/mooncake_synthetic_trace.jsonl")
 }

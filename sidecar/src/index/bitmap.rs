@@ -45,17 +45,32 @@ impl HostBitmap {
 
     #[inline]
     pub fn and(self, o: HostBitmap) -> HostBitmap {
-        HostBitmap([self.0[0] & o.0[0], self.0[1] & o.0[1], self.0[2] & o.0[2], self.0[3] & o.0[3]])
+        HostBitmap([
+            self.0[0] & o.0[0],
+            self.0[1] & o.0[1],
+            self.0[2] & o.0[2],
+            self.0[3] & o.0[3],
+        ])
     }
 
     #[inline]
     pub fn and_not(self, o: HostBitmap) -> HostBitmap {
-        HostBitmap([self.0[0] & !o.0[0], self.0[1] & !o.0[1], self.0[2] & !o.0[2], self.0[3] & !o.0[3]])
+        HostBitmap([
+            self.0[0] & !o.0[0],
+            self.0[1] & !o.0[1],
+            self.0[2] & !o.0[2],
+            self.0[3] & !o.0[3],
+        ])
     }
 
     #[inline]
     pub fn or(self, o: HostBitmap) -> HostBitmap {
-        HostBitmap([self.0[0] | o.0[0], self.0[1] | o.0[1], self.0[2] | o.0[2], self.0[3] | o.0[3]])
+        HostBitmap([
+            self.0[0] | o.0[0],
+            self.0[1] | o.0[1],
+            self.0[2] | o.0[2],
+            self.0[3] | o.0[3],
+        ])
     }
 
     #[inline]

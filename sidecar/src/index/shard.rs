@@ -109,7 +109,10 @@ impl BuildHasher for KeyHasher {
     type Hasher = KeyHash;
     #[inline]
     fn build_hasher(&self) -> KeyHash {
-        KeyHash { seed: self.seed, h: 0 }
+        KeyHash {
+            seed: self.seed,
+            h: 0,
+        }
     }
 }
 
@@ -236,7 +239,9 @@ impl Shard {
 
     /// Clear `slot` on `key`; the entry goes when no pod is left.
     pub fn remove(&mut self, key: u64, slot: u8) -> Change {
-        let Some(h) = self.map.get(key).map(Holders) else { return Change::Unchanged };
+        let Some(h) = self.map.get(key).map(Holders) else {
+            return Change::Unchanged;
+        };
         let mut b = self.expand(h);
         if !b.contains(slot) {
             return Change::Unchanged;
@@ -265,7 +270,8 @@ impl Shard {
         if self.ring.len() > 64 && self.ring.len() > 2 * self.map.len() {
             let map = &self.map;
             let mut seen = std::collections::HashSet::with_capacity(map.len());
-            self.ring.retain(|k| map.get(*k).is_some() && seen.insert(*k));
+            self.ring
+                .retain(|k| map.get(*k).is_some() && seen.insert(*k));
         }
     }
 
@@ -286,10 +292,18 @@ impl Shard {
         cleared
     }
 
-    fn clear_in(h: &mut Holders, slot: u8, wide: &mut [HostBitmap], freed: &mut Vec<u32>, cleared: &mut u64) -> bool {
+    fn clear_in(
+        h: &mut Holders,
+        slot: u8,
+        wide: &mut [HostBitmap],
+        freed: &mut Vec<u32>,
+        cleared: &mut u64,
+    ) -> bool {
         {
             if h.is_wide() {
-                let Some(b) = wide.get_mut(h.slab()) else { return false };
+                let Some(b) = wide.get_mut(h.slab()) else {
+                    return false;
+                };
                 if !b.contains(slot) {
                     return true;
                 }
@@ -306,7 +320,9 @@ impl Shard {
                 return true;
             }
             let n = h.count();
-            let Some(pos) = (0..n).find(|&i| h.inline_slot(i) == slot) else { return true };
+            let Some(pos) = (0..n).find(|&i| h.inline_slot(i) == slot) else {
+                return true;
+            };
             *cleared += 1;
             if n == 1 {
                 return false;
@@ -325,7 +341,13 @@ impl Shard {
     /// slot's bit in table positions `[from, from + n)` without deleting anything (entries
     /// left with no holder stay, empty, and are collected into `emptied` for
     /// [`Shard::remove_if_empty`]). Returns the cleared count and where to continue.
-    pub fn clear_slot_part(&mut self, slot: u8, from: usize, n: usize, emptied: &mut Vec<u64>) -> (u64, Option<usize>) {
+    pub fn clear_slot_part(
+        &mut self,
+        slot: u8,
+        from: usize,
+        n: usize,
+        emptied: &mut Vec<u64>,
+    ) -> (u64, Option<usize>) {
         let mut cleared = 0u64;
         let mut freed = Vec::new();
         let wide = &mut self.wide;
@@ -367,8 +389,12 @@ impl Shard {
         let mut budget = 2 * self.ring.len() + 1;
         while self.map.len() > cap && budget > 0 {
             budget -= 1;
-            let Some(key) = self.ring.pop_front() else { break };
-            let Some(h) = self.map.get(key).map(Holders) else { continue };
+            let Some(key) = self.ring.pop_front() else {
+                break;
+            };
+            let Some(h) = self.map.get(key).map(Holders) else {
+                continue;
+            };
             if h.referenced() {
                 self.map.insert(key, h.with_ref(false).0);
                 self.ring.push_back(key);

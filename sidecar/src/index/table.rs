@@ -24,7 +24,14 @@ pub struct Table {
 
 impl Table {
     pub fn new(hasher: KeyHasher) -> Table {
-        Table { gen: 0, slots: vec![[0, 0]; MIN_CAP], mask: MIN_CAP - 1, len: 0, zero: None, hasher }
+        Table {
+            gen: 0,
+            slots: vec![[0, 0]; MIN_CAP],
+            mask: MIN_CAP - 1,
+            len: 0,
+            zero: None,
+            hasher,
+        }
     }
 
     #[inline]
@@ -131,7 +138,11 @@ impl Table {
             }
             let h = self.home(k);
             // Move j into the hole if its home is not within (hole, j] cyclically.
-            let between = if hole <= j { hole < h && h <= j } else { hole < h || h <= j };
+            let between = if hole <= j {
+                hole < h && h <= j
+            } else {
+                hole < h || h <= j
+            };
             if !between {
                 self.slots[hole] = self.slots[j];
                 hole = j;
@@ -180,7 +191,12 @@ impl Table {
 
     /// Visit slots `[from, from + n)` (and the zero key when `from == 0`) without deleting;
     /// returns where to continue, or None at the end.
-    pub fn scan(&mut self, from: usize, n: usize, mut f: impl FnMut(u64, &mut u64)) -> Option<usize> {
+    pub fn scan(
+        &mut self,
+        from: usize,
+        n: usize,
+        mut f: impl FnMut(u64, &mut u64),
+    ) -> Option<usize> {
         if from == 0 {
             if let Some(v) = self.zero.as_mut() {
                 f(0, v);
@@ -218,7 +234,9 @@ mod tests {
         let mut m = HashMap::new();
         let mut x = 1u64;
         for i in 0..200_000u64 {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             let k = (x >> 40) % 5000; // small key space: many collisions, zero included
             match i % 3 {
                 0 | 1 => assert_eq!(t.insert(k, i), m.insert(k, i)),

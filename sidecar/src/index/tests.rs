@@ -11,12 +11,17 @@ fn chain(seed: u64, n: usize) -> Vec<u64> {
         adapter: "",
         cache_salt: "",
     };
-    let toks: Vec<u32> = (0..n as u32 * 4).map(|t| t.wrapping_mul(seed as u32 + 1)).collect();
+    let toks: Vec<u32> = (0..n as u32 * 4)
+        .map(|t| t.wrapping_mul(seed as u32 + 1))
+        .collect();
     ns.chain_tokens(&toks)
 }
 
 fn depths(ix: &ModelIndex, c: &[u64]) -> Vec<(String, u32)> {
-    ix.lookup(c).into_iter().map(|m| (m.pod.to_string(), m.depth)).collect()
+    ix.lookup(c)
+        .into_iter()
+        .map(|m| (m.pod.to_string(), m.depth))
+        .collect()
 }
 
 #[test]
@@ -29,10 +34,22 @@ fn lookup_ranks_by_depth_in_both_strategies() {
     ix.store(a, Tier::Gpu, &c[..30]).expect("store");
     ix.store(b, Tier::Gpu, &c[..12]).expect("store");
     ix.store(d, Tier::Gpu, &c[..40]).expect("store");
-    for s in [Strategy::Linear, Strategy::Binary, Strategy::Auto { linear_max: 8 }] {
+    for s in [
+        Strategy::Linear,
+        Strategy::Binary,
+        Strategy::Auto { linear_max: 8 },
+    ] {
         ix.set_strategy(s);
-        assert_eq!(depths(&ix, &c), [("d".into(), 40), ("a".into(), 30), ("b".into(), 12)], "{s:?}");
-        assert_eq!(depths(&ix, &c[..5]), [("a".into(), 5), ("b".into(), 5), ("d".into(), 5)], "{s:?}");
+        assert_eq!(
+            depths(&ix, &c),
+            [("d".into(), 40), ("a".into(), 30), ("b".into(), 12)],
+            "{s:?}"
+        );
+        assert_eq!(
+            depths(&ix, &c[..5]),
+            [("a".into(), 5), ("b".into(), 5), ("d".into(), 5)],
+            "{s:?}"
+        );
         assert!(depths(&ix, &chain(2, 40)).is_empty());
         assert!(depths(&ix, &[]).is_empty());
     }
@@ -44,7 +61,13 @@ fn events_are_idempotent() {
     let c = chain(3, 20);
     let a = ix.join("a").expect("a");
     assert_eq!(ix.store(a, Tier::Gpu, &c).expect("s").changed, 20);
-    assert_eq!(ix.store(a, Tier::Gpu, &c).expect("s"), Applied { changed: 0, unchanged: 20 });
+    assert_eq!(
+        ix.store(a, Tier::Gpu, &c).expect("s"),
+        Applied {
+            changed: 0,
+            unchanged: 20
+        }
+    );
     assert_eq!(ix.pod_blocks(a), 20);
     assert_eq!(ix.remove(a, Tier::Gpu, &c[10..]).expect("r").changed, 10);
     assert_eq!(ix.remove(a, Tier::Gpu, &c[10..]).expect("r").changed, 0);
@@ -62,8 +85,16 @@ fn retire_excludes_at_once_and_cleanup_frees_the_slot() {
     ix.store(a, Tier::Gpu, &c).expect("s");
     ix.store(b, Tier::Gpu, &c[..4]).expect("s");
     let r = ix.retire("a").expect("retired");
-    assert_eq!(depths(&ix, &c), [("b".into(), 4)], "phase 1 alone hides the pod");
-    assert_eq!(ix.store(a, Tier::Gpu, &c), Err(IndexError::Stale), "no writes to a retired slot");
+    assert_eq!(
+        depths(&ix, &c),
+        [("b".into(), 4)],
+        "phase 1 alone hides the pod"
+    );
+    assert_eq!(
+        ix.store(a, Tier::Gpu, &c),
+        Err(IndexError::Stale),
+        "no writes to a retired slot"
+    );
     assert_eq!(ix.stats().draining_pods, 1);
     assert_eq!(ix.cleanup(r), 16);
     let st = ix.stats();
@@ -117,7 +148,11 @@ fn tiers_stay_off_the_index_but_shape_the_hint() {
     ix.store(a, Tier::Gpu, &c).expect("s");
     ix.store(a, Tier::Cpu, &c[8..]).expect("s"); // offloaded copies
     ix.remove(a, Tier::Gpu, &c[10..]).expect("r"); // GPU copies evicted, CPU stays
-    assert_eq!(depths(&ix, &c), [("a".into(), 12)], "a CPU-only block is still held");
+    assert_eq!(
+        depths(&ix, &c),
+        [("a".into(), 12)],
+        "a CPU-only block is still held"
+    );
     let h = ix.tier_hint(a.slot, &c, 12);
     assert_eq!((h.gpu, h.cpu), (10, 2));
     ix.remove(a, Tier::Cpu, &c[10..]).expect("r");
@@ -125,7 +160,11 @@ fn tiers_stay_off_the_index_but_shape_the_hint() {
     ix.remove(a, Tier::Disk, &c).expect("no-op");
     assert_eq!(depths(&ix, &c), [("a".into(), 10)]);
     let h = ix.tier_hint(a.slot, &c, 10);
-    assert_eq!((h.gpu, h.cpu), (10, 0), "blocks in GPU and CPU count as GPU hits");
+    assert_eq!(
+        (h.gpu, h.cpu),
+        (10, 0),
+        "blocks in GPU and CPU count as GPU hits"
+    );
 }
 
 #[test]

@@ -25,7 +25,10 @@ pub fn bit(t: Tier) -> TierSet {
 
 /// The fastest tier in a set (what a hit is worth).
 pub fn best(set: TierSet) -> Tier {
-    Tier::ALL.into_iter().find(|t| set & bit(*t) != 0).unwrap_or(Tier::Gpu)
+    Tier::ALL
+        .into_iter()
+        .find(|t| set & bit(*t) != 0)
+        .unwrap_or(Tier::Gpu)
 }
 
 /// Per-pod exceptions to "GPU only".
@@ -35,7 +38,9 @@ pub struct Tiers {
 
 impl Tiers {
     pub fn new(hasher: KeyHasher) -> Tiers {
-        Tiers { map: HashMap::with_hasher(hasher) }
+        Tiers {
+            map: HashMap::with_hasher(hasher),
+        }
     }
 
     #[inline]

@@ -24,7 +24,13 @@ pub struct Opts {
 
 impl Default for Opts {
     fn default() -> Self {
-        Opts { blocks: 1 << 20, depth: 128, pods: 16, lookups: 200_000, seed: 7 }
+        Opts {
+            blocks: 1 << 20,
+            depth: 128,
+            pods: 16,
+            lookups: 200_000,
+            seed: 7,
+        }
     }
 }
 
@@ -36,7 +42,13 @@ struct Data {
 }
 
 fn data(o: &Opts) -> Data {
-    let ns = Namespace { mode: Mode::Tokens, block_size: 16, model: "bench", adapter: "", cache_salt: "" };
+    let ns = Namespace {
+        mode: Mode::Tokens,
+        block_size: 16,
+        model: "bench",
+        adapter: "",
+        cache_salt: "",
+    };
     let n = o.blocks / o.depth;
     let mut rng = Rng(o.seed);
     let seqs: Vec<Vec<u64>> = (0..n)
@@ -51,12 +63,18 @@ fn data(o: &Opts) -> Data {
 
 fn build(o: &Opts, d: &Data, pods: usize) -> (ModelIndex, Vec<PodHandle>, f64) {
     let ix = ModelIndex::new(u64::MAX / 2);
-    let hs: Vec<PodHandle> = (0..pods).map(|p| ix.join(&format!("10.0.{}.{}:8000", p / 250, p % 250)).expect("join")).collect();
+    let hs: Vec<PodHandle> = (0..pods)
+        .map(|p| {
+            ix.join(&format!("10.0.{}.{}:8000", p / 250, p % 250))
+                .expect("join")
+        })
+        .collect();
     let t = Instant::now();
     let mut n = 0u64;
     for (i, s) in d.seqs.iter().enumerate() {
         ix.store(hs[i % pods], Tier::Gpu, s).expect("store");
-        ix.store(hs[(i + 1) % pods], Tier::Gpu, &s[..d.partial[i]]).expect("store");
+        ix.store(hs[(i + 1) % pods], Tier::Gpu, &s[..d.partial[i]])
+            .expect("store");
         n += (s.len() + d.partial[i]) as u64;
     }
     let rate = n as f64 / t.elapsed().as_secs_f64();
@@ -89,12 +107,20 @@ fn full_lookups(ix: &ModelIndex, d: &Data, n: usize, seed: u64) -> Samples {
 }
 
 pub fn run(o: &Opts) -> serde_json::Value {
-    println!("kvroute-bench index: {} blocks, depth {}, {} pods, {} lookups", o.blocks, o.depth, o.pods, o.lookups);
+    println!(
+        "kvroute-bench index: {} blocks, depth {}, {} pods, {} lookups",
+        o.blocks, o.depth, o.pods, o.lookups
+    );
     let d = data(o);
     let (ix, hs, store_rate) = build(o, &d, o.pods);
     let st = ix.stats();
     let bpb16 = st.heap_bytes as f64 / st.entries as f64;
-    println!("  built: {} entries, {:.1} bytes/block, store {:.2} M blocks/s (one thread)", st.entries, bpb16, store_rate / 1e6);
+    println!(
+        "  built: {} entries, {:.1} bytes/block, store {:.2} M blocks/s (one thread)",
+        st.entries,
+        bpb16,
+        store_rate / 1e6
+    );
 
     // Hits through the full API (names resolved), then the slot-level walk.
     let mut hit = full_lookups(&ix, &d, o.lookups, 1);
@@ -111,7 +137,10 @@ pub fn run(o: &Opts) -> serde_json::Value {
 
     // Strategy table: linear vs binary by chain length.
     println!("  strategy (hit p50 ns by chain length):");
-    println!("    {:>6} {:>8} {:>8} {:>8}", "len", "linear", "binary", "k-ary");
+    println!(
+        "    {:>6} {:>8} {:>8} {:>8}",
+        "len", "linear", "binary", "k-ary"
+    );
     let mut strategy = Vec::new();
     for len in [2usize, 4, 8, 16, 32, 64, 128] {
         if len > o.depth {
@@ -124,7 +153,8 @@ pub fn run(o: &Opts) -> serde_json::Value {
         ix.set_strategy(Strategy::Kary);
         let k = lookups(&ix, &d, o.lookups / 4, len, 5).pct(50.0);
         println!("    {len:>6} {l:>8} {b:>8} {k:>8}");
-        strategy.push(json!({"len": len, "linear_p50_ns": l, "binary_p50_ns": b, "kary_p50_ns": k}));
+        strategy
+            .push(json!({"len": len, "linear_p50_ns": l, "binary_p50_ns": b, "kary_p50_ns": k}));
     }
     ix.set_strategy(Strategy::default());
 
@@ -139,7 +169,11 @@ pub fn run(o: &Opts) -> serde_json::Value {
     for _ in 0..o.lookups {
         let c = &d.seqs[rng.below(d.seqs.len())];
         let r = naive.time(|| {
-            per_pod.iter().map(|set| c.iter().take_while(|h| set.contains(*h)).count()).filter(|&x| x > 0).count()
+            per_pod
+                .iter()
+                .map(|set| c.iter().take_while(|h| set.contains(*h)).count())
+                .filter(|&x| x > 0)
+                .count()
         });
         std::hint::black_box(r);
     }
@@ -169,21 +203,37 @@ pub fn run(o: &Opts) -> serde_json::Value {
         "  baselines: naive per-pod scan p50 {naive50} ns; radix tree p50 {radix50} ns p99 {radix99} ns, store {:.2} M blocks/s",
         radix_store_rate / 1e6
     );
-    println!("  kvroute vs radix: {:.1}x faster (hit p50)", radix50 as f64 / hit50.max(1) as f64);
+    println!(
+        "  kvroute vs radix: {:.1}x faster (hit p50)",
+        radix50 as f64 / hit50.max(1) as f64
+    );
 
     // Concurrency: one reader, one writer at full speed (2 cores).
     let (conc99, conc_rate) = concurrent(&ix, &hs, &d, Duration::from_millis(1500));
-    println!("  concurrent: lookup p99 {conc99} ns while the writer sustains {:.2} M block ops/s", conc_rate / 1e6);
+    println!(
+        "  concurrent: lookup p99 {conc99} ns while the writer sustains {:.2} M block ops/s",
+        conc_rate / 1e6
+    );
 
     // Removal throughput: drop every pod's blocks.
     let t = Instant::now();
     let mut removed = 0u64;
     for (i, s) in d.seqs.iter().enumerate() {
-        removed += ix.remove(hs[i % o.pods], Tier::Gpu, s).expect("remove").changed;
-        removed += ix.remove(hs[(i + 1) % o.pods], Tier::Gpu, &s[..d.partial[i]]).expect("remove").changed;
+        removed += ix
+            .remove(hs[i % o.pods], Tier::Gpu, s)
+            .expect("remove")
+            .changed;
+        removed += ix
+            .remove(hs[(i + 1) % o.pods], Tier::Gpu, &s[..d.partial[i]])
+            .expect("remove")
+            .changed;
     }
     let remove_rate = removed as f64 / t.elapsed().as_secs_f64();
-    println!("  remove {:.2} M blocks/s; entries left {}", remove_rate / 1e6, ix.stats().entries);
+    println!(
+        "  remove {:.2} M blocks/s; entries left {}",
+        remove_rate / 1e6,
+        ix.stats().entries
+    );
     drop(ix);
 
     // 256-pod width.
@@ -232,7 +282,10 @@ fn concurrent(ix: &ModelIndex, hs: &[PodHandle], d: &Data, dur: Duration) -> (u6
                 let h = hs[(i + 3) % hs.len()];
                 let a = ix.store(h, Tier::Gpu, &seq[64..]).expect("store");
                 let r = ix.remove(h, Tier::Gpu, &seq[64..]).expect("remove");
-                ops.fetch_add(a.changed + a.unchanged + r.changed + r.unchanged, Ordering::Relaxed);
+                ops.fetch_add(
+                    a.changed + a.unchanged + r.changed + r.unchanged,
+                    Ordering::Relaxed,
+                );
                 i += 1;
             }
             stop.store(true, Ordering::Relaxed);
@@ -244,7 +297,10 @@ fn concurrent(ix: &ModelIndex, hs: &[PodHandle], d: &Data, dur: Duration) -> (u6
             std::hint::black_box(r);
         }
     });
-    (samples.pct(99.0), ops.load(Ordering::Relaxed) as f64 / dur.as_secs_f64())
+    (
+        samples.pct(99.0),
+        ops.load(Ordering::Relaxed) as f64 / dur.as_secs_f64(),
+    )
 }
 
 fn removal(o: &Opts, d: &Data) -> (u64, f64, u64, u64, u64) {
@@ -258,14 +314,22 @@ fn removal(o: &Opts, d: &Data) -> (u64, f64, u64, u64, u64) {
     let mut base = Samples::default();
     let mut during = Samples::default();
     let mut flip = 0u64;
+    let mut flip_cold = 0u64;
     let mut cleanup_ms = 0.0;
     let mut cleared = 0;
     std::thread::scope(|s| {
         s.spawn(|| {
             std::thread::sleep(Duration::from_millis(300));
             let t = Instant::now();
+            ix.flip("victim:1").expect("victim");
+            flip_cold = t.elapsed().as_nanos() as u64;
+            // The same flip again, warm (idempotent): its steady-state cost.
+            let mut warm = Samples::with_capacity(1000);
+            for _ in 0..1000 {
+                warm.time(|| ix.flip("victim:1"));
+            }
+            flip = warm.pct(50.0);
             let r = ix.retire("victim:1").expect("victim");
-            flip = t.elapsed().as_nanos() as u64;
             phase.store(1, Ordering::SeqCst);
             let t = Instant::now();
             cleared = ix.cleanup(r);
@@ -283,9 +347,14 @@ fn removal(o: &Opts, d: &Data) -> (u64, f64, u64, u64, u64) {
             let r = ix.lookup(c);
             let ns = t.elapsed().as_nanos() as u64;
             std::hint::black_box(r);
-            if p == 0 { base.push(ns) } else { during.push(ns) }
+            if p == 0 {
+                base.push(ns)
+            } else {
+                during.push(ns)
+            }
         }
     });
+    println!("  flip: first (cold) {flip_cold} ns, warm median {flip} ns");
     (flip, cleanup_ms, base.pct(99.0), during.pct(99.0), cleared)
 }
 
@@ -321,9 +390,17 @@ fn hasher_table(n: usize, probes: usize) -> serde_json::Value {
     let mut rng = Rng(10);
     let keys: Vec<u64> = (0..n / 256 * 16).map(|_| rng.next_u64()).collect(); // one shard's worth ×16
     let ident = bench(BuildHasherDefault::<Ident>::default(), &keys, probes);
-    let mix = bench(kvroute_sidecar::index::shard::KeyHasher::new(12345), &keys, probes);
+    let mix = bench(
+        kvroute_sidecar::index::shard::KeyHasher::new(12345),
+        &keys,
+        probes,
+    );
     let fold = bench(hashbrown::DefaultHashBuilder::default(), &keys, probes);
-    let sip = bench(std::collections::hash_map::RandomState::new(), &keys, probes);
+    let sip = bench(
+        std::collections::hash_map::RandomState::new(),
+        &keys,
+        probes,
+    );
     println!("  in-shard hasher, ns per probe: identity {ident}, seeded mix {mix}, foldhash {fold}, SipHash {sip}");
     let mut m = HashMap::new();
     m.insert("identity", ident);

@@ -31,11 +31,20 @@ enum Op {
 }
 
 pub fn run(reqs: &[Request], o: &Opts) -> serde_json::Value {
-    println!("kvroute-bench trace: {} requests, {} pods x {} blocks", reqs.len(), o.pods, o.capacity_blocks);
+    println!(
+        "kvroute-bench trace: {} requests, {} pods x {} blocks",
+        reqs.len(),
+        o.pods,
+        o.capacity_blocks
+    );
     // 1. Route with the index, simulate caches, log the ops.
     let ix = ModelIndex::new(u64::MAX / 2);
-    let hs: Vec<PodHandle> = (0..o.pods).map(|p| ix.join(&format!("pod{p}")).expect("join")).collect();
-    let mut caches: Vec<BlockCache> = (0..o.pods).map(|_| BlockCache::new(o.capacity_blocks)).collect();
+    let hs: Vec<PodHandle> = (0..o.pods)
+        .map(|p| ix.join(&format!("pod{p}")).expect("join"))
+        .collect();
+    let mut caches: Vec<BlockCache> = (0..o.pods)
+        .map(|_| BlockCache::new(o.capacity_blocks))
+        .collect();
     let mut ops = Vec::new();
     let mut rr = 0usize;
     let (mut hit_blocks, mut total_blocks, mut mismatches) = (0u64, 0u64, 0u64);
@@ -54,9 +63,15 @@ pub fn run(reqs: &[Request], o: &Opts) -> serde_json::Value {
         ops.push(Op::Lookup(i));
         let pod = match out.first() {
             Some(&(_, best)) => {
-                let ties: Vec<u8> = out.iter().take_while(|m| m.1 == best).map(|m| m.0).collect();
+                let ties: Vec<u8> = out
+                    .iter()
+                    .take_while(|m| m.1 == best)
+                    .map(|m| m.0)
+                    .collect();
                 rr += 1;
-                hs.iter().position(|h| h.slot == ties[rr % ties.len()]).unwrap_or(0)
+                hs.iter()
+                    .position(|h| h.slot == ties[rr % ties.len()])
+                    .unwrap_or(0)
             }
             None => {
                 rr += 1;
@@ -93,15 +108,22 @@ pub fn run(reqs: &[Request], o: &Opts) -> serde_json::Value {
     }
     let hit_rate = hit_blocks as f64 / total_blocks.max(1) as f64;
     println!(
-        "  routed by longest match: block hit rate {:.3}; binary search differed from the exact walk on {mismatches} of {} lookups",
+        "  routed by longest match: block hit rate {:.3}; the default (k-ary) walk differed from the exact linear walk on {mismatches} of {} lookups",
         hit_rate,
         reqs.len()
     );
     drop(ix);
 
-    // 2. Replay the log, timed, on kvroute and on the radix tree.
-    let (k_rate, mut k_lat, n_ops) = replay_kvroute(reqs, &ops, o.pods, None);
-    let (r_rate, mut r_lat) = replay_radix(reqs, &ops);
+    // 2. Replay the log, timed, on kvroute and on the radix tree; the trace is short, so
+    //    take the median of five replays of each.
+    let mut runs: Vec<(f64, Samples, u64)> = (0..5)
+        .map(|_| replay_kvroute(reqs, &ops, o.pods, None))
+        .collect();
+    runs.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (k_rate, mut k_lat, n_ops) = runs.swap_remove(2);
+    let mut rruns: Vec<(f64, Samples)> = (0..5).map(|_| replay_radix(reqs, &ops)).collect();
+    rruns.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (r_rate, mut r_lat) = rruns.swap_remove(2);
     let (k50, k99, r99) = (k_lat.pct(50.0), k_lat.pct(99.0), r_lat.pct(99.0));
     println!(
         "  kvroute: {:.2} M block ops/s ({n_ops} ops), lookup p50 {k50} ns p99 {k99} ns; radix: {:.2} M ops/s, lookup p99 {r99} ns",
@@ -123,8 +145,9 @@ pub fn run(reqs: &[Request], o: &Opts) -> serde_json::Value {
             let (achieved, mut lat, _) = replay_kvroute(reqs, &ops, o.pods, Some(rate));
             let p99 = lat.pct(99.0);
             println!("    {:>6.1} -> {:>6.2}, {p99}", rate / 1e6, achieved / 1e6);
-            if achieved >= 0.95 * rate {
-                saturation = rate;
+            // Past saturation the achieved rate stops following the offered one.
+            if achieved > saturation {
+                saturation = achieved;
             }
             rows.push(json!({"offered": rate, "achieved": achieved, "lookup_p99_ns": p99}));
             rate *= 1.5;
@@ -146,9 +169,16 @@ fn count(ops: &[Op]) -> u64 {
         .sum()
 }
 
-fn replay_kvroute(reqs: &[Request], ops: &[Op], pods: usize, pace: Option<f64>) -> (f64, Samples, u64) {
+fn replay_kvroute(
+    reqs: &[Request],
+    ops: &[Op],
+    pods: usize,
+    pace: Option<f64>,
+) -> (f64, Samples, u64) {
     let ix = ModelIndex::new(u64::MAX / 2);
-    let hs: Vec<PodHandle> = (0..pods).map(|p| ix.join(&format!("pod{p}")).expect("join")).collect();
+    let hs: Vec<PodHandle> = (0..pods)
+        .map(|p| ix.join(&format!("pod{p}")).expect("join"))
+        .collect();
     let mut lat = Samples::with_capacity(reqs.len());
     let mut out = Vec::with_capacity(pods);
     let n = count(ops);

@@ -8,7 +8,10 @@ use clap::{Parser, Subcommand};
 use kvroute_tests::bench;
 
 #[derive(Parser)]
-#[command(name = "kvroute-bench", about = "kvroute benchmarks (last line of output: one JSON object)")]
+#[command(
+    name = "kvroute-bench",
+    about = "kvroute benchmarks (last line of output: one JSON object)"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -43,13 +46,34 @@ enum Cmd {
 
 fn main() -> anyhow::Result<()> {
     let v = match Cli::parse().cmd {
-        Cmd::Index { blocks, depth, pods, lookups } => {
-            bench::index::run(&bench::index::Opts { blocks, depth, pods, lookups, seed: 7 })
-        }
-        Cmd::Trace { file, pods, capacity_blocks, sweep } => {
+        Cmd::Index {
+            blocks,
+            depth,
+            pods,
+            lookups,
+        } => bench::index::run(&bench::index::Opts {
+            blocks,
+            depth,
+            pods,
+            lookups,
+            seed: 7,
+        }),
+        Cmd::Trace {
+            file,
+            pods,
+            capacity_blocks,
+            sweep,
+        } => {
             let path = file.unwrap_or_else(kvroute_tests::workload::default_trace);
             let reqs = kvroute_tests::workload::load_mooncake(&path)?;
-            bench::trace::run(&reqs, &bench::trace::Opts { pods, capacity_blocks, sweep })
+            bench::trace::run(
+                &reqs,
+                &bench::trace::Opts {
+                    pods,
+                    capacity_blocks,
+                    sweep,
+                },
+            )
         }
     };
     println!("{v}");
