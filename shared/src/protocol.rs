@@ -348,8 +348,10 @@ impl Default for ModelConfig {
 /// The routing policy, served and replaced whole at `/v1/config`.
 ///
 /// Cost of sending a request to a pod, in "blocks of prefill work" (lower wins):
-/// `prefill_weight · (uncached_blocks + tier-discounted hits) + load_weight · projected_blocks
-///  + queue_weight · queued_requests`, times `1 / stale_factor` for stale pods' hits.
+/// `prefill_weight · (prompt_blocks − hits) + load_weight · pending_prefill_blocks
+///  + decode_weight · active_decode_blocks + queue_weight · queued_requests`, where hits
+/// count confirmed blocks fully, predicted ones at `predicted_weight`, non-GPU ones at
+/// `1 − tier_cost`, and a stale pod's at `stale_factor` (see sidecar/src/policy.rs).
 /// Defaults were chosen with `kvroute-bench sim` (docs/policy.md).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -361,7 +363,11 @@ pub struct PolicyConfig {
     pub default_model: ModelConfig,
     pub prefill_weight: f64,
     pub load_weight: f64,
+    /// Cost per block of KV held by the pod's running decodes (they slow its prefills).
+    pub decode_weight: f64,
     pub queue_weight: f64,
+    /// Worth of a predicted (not engine-confirmed) hit relative to a confirmed one.
+    pub predicted_weight: f64,
     /// Fraction of a hit's prefill cost still paid when the block is in this tier.
     pub tier_cost: BTreeMap<Tier, f64>,
     /// Multiplier (0..1] on the matched blocks of a pod whose event stream has a gap.
@@ -394,7 +400,9 @@ impl Default for PolicyConfig {
             default_model: ModelConfig::default(),
             prefill_weight: 1.0,
             load_weight: 1.0,
+            decode_weight: 0.0,
             queue_weight: 0.0,
+            predicted_weight: 0.7,
             tier_cost: BTreeMap::from([
                 (Tier::Gpu, 0.0),
                 (Tier::Cpu, 0.2),
@@ -428,6 +436,7 @@ impl PolicyConfig {
         finite_nonneg("prefill_weight", self.prefill_weight);
         finite_nonneg("load_weight", self.load_weight);
         finite_nonneg("queue_weight", self.queue_weight);
+        finite_nonneg("decode_weight", self.decode_weight);
         finite_nonneg("balance_epsilon", self.balance_epsilon);
         finite_nonneg("temperature", self.temperature);
         for (tier, c) in &self.tier_cost {
@@ -437,6 +446,12 @@ impl PolicyConfig {
                     tier.as_str()
                 ));
             }
+        }
+        if !(0.0..=1.0).contains(&self.predicted_weight) {
+            errs.push(format!(
+                "predicted_weight must be in [0, 1] (got {})",
+                self.predicted_weight
+            ));
         }
         if !(self.stale_factor > 0.0 && self.stale_factor <= 1.0) {
             errs.push(format!(

@@ -1,7 +1,24 @@
 //! kvroute-sidecar: the native service next to each gateway pod.
 //!
-//! - [`index`]: cache facts — which pods hold which blocks (no I/O, no async).
+//! Cache facts and decisions are kept apart, and data flows one way:
+//! - [`index`]: which pods hold which blocks (pure, no I/O);
+//! - [`ingest`]: engine events → index and [`pods`] registry;
+//! - [`policy`]: Filter → Score → Pick over facts and load views (pure);
+//! - [`route`]: lookup → policy → decision → load projection; reports release it;
+//! - [`predicted`]: residency guessed from decisions, for engines without events;
+//! - [`state`], [`http`], [`nats`], [`cleaner`], [`serve`]: the service around them;
 //! - [`hashcli`]: the operator's chain printer.
 
+pub mod cleaner;
 pub mod hashcli;
+pub mod http;
 pub mod index;
+pub mod ingest;
+pub mod metrics;
+pub mod nats;
+pub mod pods;
+pub mod policy;
+pub mod predicted;
+pub mod route;
+pub mod serve;
+pub mod state;

@@ -20,6 +20,8 @@ struct Cli {
 enum Cmd {
     /// Print the block-hash chain of a prompt, one decimal u64 per line.
     Hash(HashCmd),
+    /// Run the sidecar service.
+    Serve(kvroute_sidecar::serve::ServeArgs),
 }
 
 #[derive(Args)]
@@ -55,6 +57,19 @@ struct HashCmd {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().cmd {
+        Cmd::Serve(a) => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_env("KVROUTE_LOG")
+                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                )
+                .with_writer(std::io::stderr)
+                .init();
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(kvroute_sidecar::serve::run(a))
+        }
         Cmd::Hash(h) => {
             let input = match (h.tokens, h.text, h.request) {
                 (Some(t), _, _) => Input::Tokens(t),

@@ -1,0 +1,138 @@
+//! Background upkeep, off every request's path: phase 2 of pod removals, liveness,
+//! expiry of projected load and predicted residency, and dump fetches for resyncs.
+//!
+//! Shaped like mini-redis's purge task: one loop, an explicit shutdown signal (a watch
+//! channel) checked in every `select!`, and a [`DropGuard`] so that whatever way the
+//! server exits, the task is told to stop.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvroute_shared::protocol::EventBatch;
+use tokio::sync::{mpsc, watch};
+
+use crate::ingest::{self, IngestLocks};
+use crate::route;
+use crate::state::{CleanupJob, ResyncJob, Sidecar};
+
+/// Tells background tasks to stop when dropped.
+pub struct DropGuard(pub watch::Sender<bool>);
+
+impl Drop for DropGuard {
+    fn drop(&mut self) {
+        let _ = self.0.send(true);
+    }
+}
+
+const TICK: Duration = Duration::from_millis(500);
+
+pub async fn run(
+    sc: Arc<Sidecar>,
+    mut jobs: mpsc::UnboundedReceiver<CleanupJob>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut tick = tokio::time::interval(TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.changed() => break,
+            Some(job) = jobs.recv() => {
+                // The walk takes milliseconds for a large pod: keep it off the runtime.
+                let r = tokio::task::spawn_blocking(move || job.index.cleanup(job.retired)).await;
+                if let Err(e) = r {
+                    tracing::error!("pod cleanup task failed: {e}");
+                }
+            }
+            _ = tick.tick() => sweep(&sc, Instant::now()),
+        }
+    }
+}
+
+/// One pass of the periodic upkeep (public for tests).
+pub fn sweep(sc: &Sidecar, now: Instant) {
+    let cfg = sc.config();
+    // Liveness: pods that have spoken (sent any batch) and then went silent.
+    let liveness = Duration::from_secs(cfg.liveness_timeout_s);
+    let dead: Vec<String> = sc
+        .pods
+        .lock()
+        .values()
+        .filter(|p| p.epoch.is_some() && now.duration_since(p.last_seen) > liveness)
+        .map(|p| p.id.to_string())
+        .collect();
+    for id in dead {
+        tracing::info!(pod = %id, "no events for {}s: removing", cfg.liveness_timeout_s);
+        sc.remove_pod(&id, "liveness");
+    }
+    // Projected load whose report never came.
+    let timeout = Duration::from_secs(cfg.load_timeout_s);
+    let expired: Vec<_> = {
+        let mut d = sc.decisions.lock();
+        let keys: Vec<String> = d
+            .iter()
+            .filter(|(_, v)| now.duration_since(v.at) > timeout)
+            .map(|(k, _)| k.clone())
+            .collect();
+        keys.into_iter().filter_map(|k| d.remove(&k)).collect()
+    };
+    for d in expired {
+        route::release(sc, &d, "timeout");
+    }
+    sc.predicted
+        .expire(Duration::from_secs(cfg.predicted_ttl_s), now);
+}
+
+/// Fetch dumps for pods that fell behind, one at a time.
+pub async fn resyncs(
+    sc: Arc<Sidecar>,
+    locks: Arc<IngestLocks>,
+    mut jobs: mpsc::UnboundedReceiver<ResyncJob>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap_or_default();
+    loop {
+        let job = tokio::select! {
+            _ = shutdown.changed() => break,
+            j = jobs.recv() => match j { Some(j) => j, None => break },
+        };
+        let fetched = async {
+            let resp = client
+                .get(&job.url)
+                .send()
+                .await
+                .map_err(|e| e.to_string())?;
+            if !resp.status().is_success() {
+                return Err(format!("status {}", resp.status()));
+            }
+            let body = resp.bytes().await.map_err(|e| e.to_string())?;
+            EventBatch::decode(&body).map_err(|e| e.to_string())
+        }
+        .await;
+        let (sc2, locks2, pod, model) = (
+            sc.clone(),
+            locks.clone(),
+            job.pod.clone(),
+            job.model.clone(),
+        );
+        let outcome = tokio::task::spawn_blocking(move || match fetched {
+            Ok(dump) if dump.pod == *pod && dump.model == model => {
+                ingest::apply_dump(&sc2, &locks2, &pod, &dump).map_err(|e| e.to_string())
+            }
+            Ok(dump) => Err(format!("dump names pod {} model {}", dump.pod, dump.model)),
+            Err(e) => Err(e),
+        })
+        .await;
+        let result = outcome.unwrap_or_else(|e| Err(e.to_string()));
+        match result {
+            Ok(n) => tracing::info!(pod = %job.pod, blocks = n, "resynced from dump"),
+            Err(e) => {
+                tracing::warn!(pod = %job.pod, "dump fetch failed ({e}); dropping its blocks to rebuild from live events");
+                sc.metrics.resyncs.inc("drop_after_failed_dump", 1);
+                ingest::drop_blocks(&sc, &locks, &job.pod, &job.model);
+            }
+        }
+    }
+}

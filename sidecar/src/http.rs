@@ -1,0 +1,338 @@
+//! The HTTP API (docs/protocol.md): the filter's `/v1/route` and `/v1/report`, event
+//! ingestion, pods, config, lookups for operators, metrics and health.
+//!
+//! The same router serves the TCP listener and the filter's Unix socket. On TCP, when an
+//! admin token is configured, every request that changes state needs it as a bearer
+//! token; the Unix socket is authorized by its file permissions instead (the filter
+//! cannot be given a secret more safely than a socket only Envoy can open).
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::{HeaderMap, Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post, put};
+use axum::{Json, Router};
+use kvroute_shared::protocol::{
+    CompletionReport, EventBatch, PodRegistration, PolicyConfig, RouteRequest,
+};
+use serde_json::json;
+
+use crate::ingest::{self, IngestLocks};
+use crate::route::{self, RouteError};
+use crate::state::{ConfigError, Sidecar};
+
+#[derive(Clone)]
+pub struct Api {
+    pub sc: Arc<Sidecar>,
+    pub locks: Arc<IngestLocks>,
+    /// Required bearer token for state-changing requests (TCP listener only).
+    pub admin_token: Option<Arc<str>>,
+}
+
+/// Event batches and dumps can be large; route requests carry at most ~1M hashes.
+const BODY_LIMIT: usize = 32 << 20;
+
+pub fn router(api: Api) -> Router {
+    Router::new()
+        .route("/v1/route", post(route_h))
+        .route("/v1/report", post(report_h))
+        .route("/v1/events", post(events_h))
+        .route("/v1/pods", get(pods_h))
+        .route(
+            "/v1/pods/{id}",
+            put(put_pod_h).delete(delete_pod_h).get(get_pod_h),
+        )
+        .route("/v1/config", get(get_config_h).put(put_config_h))
+        .route("/v1/lookup", get(lookup_get_h).post(lookup_post_h))
+        .route("/metrics", get(metrics_h))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready_h))
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(axum::middleware::from_fn_with_state(api.clone(), auth))
+        .with_state(api)
+}
+
+async fn auth(
+    State(api): State<Api>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Some(token) = &api.admin_token {
+        let changes_state = matches!(*req.method(), Method::POST | Method::PUT | Method::DELETE);
+        if changes_state && !bearer_ok(req.headers(), token) {
+            return err(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "this endpoint needs Authorization: Bearer <admin token>",
+            );
+        }
+    }
+    next.run(req).await
+}
+
+fn bearer_ok(h: &HeaderMap, token: &str) -> bool {
+    let Some(v) = h.get("authorization").and_then(|v| v.to_str().ok()) else {
+        return false;
+    };
+    let Some(given) = v.strip_prefix("Bearer ") else {
+        return false;
+    };
+    // Constant-time comparison: the token is a secret.
+    given.len() == token.len()
+        && given
+            .bytes()
+            .zip(token.bytes())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+}
+
+fn err(status: StatusCode, reason: &str, msg: impl std::fmt::Display) -> Response {
+    (
+        status,
+        Json(json!({"error": msg.to_string(), "reason": reason})),
+    )
+        .into_response()
+}
+
+// A refusal is a ready response; boxing it would only add an allocation per error.
+#[allow(clippy::result_large_err)]
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8], what: &str) -> Result<T, Response> {
+    serde_json::from_slice(body).map_err(|e| {
+        err(
+            StatusCode::BAD_REQUEST,
+            "bad_json",
+            format!("malformed {what}: {e}"),
+        )
+    })
+}
+
+async fn route_h(State(api): State<Api>, body: Bytes) -> Response {
+    let req: RouteRequest = match parse(&body, "route request") {
+        Ok(r) => r,
+        Err(resp) => {
+            api.sc.metrics.route_errors.inc("bad_json", 1);
+            return resp;
+        }
+    };
+    match route::route(&api.sc, &req) {
+        Ok(resp) => Json(resp).into_response(),
+        Err(e @ RouteError::Bad(_)) => err(StatusCode::BAD_REQUEST, e.reason(), route_msg(&e)),
+        Err(e @ RouteError::NoPod(_)) => {
+            err(StatusCode::SERVICE_UNAVAILABLE, e.reason(), route_msg(&e))
+        }
+    }
+}
+
+fn route_msg(e: &RouteError) -> &str {
+    match e {
+        RouteError::Bad(m) | RouteError::NoPod(m) => m,
+    }
+}
+
+async fn report_h(State(api): State<Api>, body: Bytes) -> Response {
+    match parse::<CompletionReport>(&body, "completion report") {
+        Ok(r) => {
+            route::report(&api.sc, &r);
+            StatusCode::NO_CONTENT.into_response()
+        }
+        Err(resp) => resp,
+    }
+}
+
+async fn events_h(State(api): State<Api>, body: Bytes) -> Response {
+    let batch = match EventBatch::decode(&body) {
+        Ok(b) => b,
+        Err(e) => {
+            api.sc.metrics.events_rejected.inc(e.reason(), 1);
+            return err(StatusCode::BAD_REQUEST, e.reason(), e);
+        }
+    };
+    let (sc, locks) = (api.sc.clone(), api.locks.clone());
+    let r = tokio::task::spawn_blocking(move || ingest::ingest(&sc, &locks, &batch)).await;
+    match r {
+        Ok(Ok(i)) => Json(json!({
+            "applied": !i.duplicate, "duplicate": i.duplicate, "restarted": i.restarted,
+            "gap": i.gap, "blocks_changed": i.blocks_changed, "removed_pod": i.removed_pod,
+        }))
+        .into_response(),
+        Ok(Err(e)) => err(StatusCode::UNPROCESSABLE_ENTITY, e.reason(), e),
+        Err(e) => err(StatusCode::INTERNAL_SERVER_ERROR, "internal", e),
+    }
+}
+
+fn pod_json(sc: &Sidecar, p: &crate::pods::Pod, now: std::time::Instant) -> serde_json::Value {
+    let blocks = sc
+        .indexes
+        .get(&p.reg.model)
+        .and_then(|ix| ix.handle(&p.id).map(|h| ix.pod_blocks(h)));
+    let load = p.load_view(now);
+    json!({
+        "pod": &*p.id, "model": p.reg.model, "role": p.reg.role, "adapters": p.reg.adapters,
+        "labels": p.reg.labels, "capacity_blocks": p.reg.capacity_blocks, "dump_url": p.reg.dump_url,
+        "registered": p.registered, "epoch": p.epoch, "seq": p.last_seq, "stale": p.stale,
+        "events_seen": p.events_seen, "blocks": blocks,
+        "predicted_capacity_blocks": sc.predicted.capacity_of(&p.id),
+        "last_seen_s": now.duration_since(p.last_seen).as_secs_f64(),
+        "breaker_open": p.breaker_open(now),
+        "load": {"pending_prefill_tokens": load.pending_prefill_tokens, "decode_blocks": load.decode_blocks,
+                  "inflight": load.inflight, "queued": load.queued,
+                  "engine_kv_usage": p.engine.map(|e| e.kv_usage)},
+    })
+}
+
+async fn pods_h(State(api): State<Api>) -> Response {
+    let now = std::time::Instant::now();
+    let pods = api.sc.pods.lock().values().cloned().collect::<Vec<_>>();
+    let mut v: Vec<_> = pods.iter().map(|p| pod_json(&api.sc, p, now)).collect();
+    v.sort_by(|a, b| a["pod"].as_str().cmp(&b["pod"].as_str()));
+    Json(json!({"pods": v})).into_response()
+}
+
+async fn get_pod_h(State(api): State<Api>, Path(id): Path<String>) -> Response {
+    let p = api.sc.pods.lock().get(id.as_str()).cloned();
+    match p {
+        Some(p) => Json(pod_json(&api.sc, &p, std::time::Instant::now())).into_response(),
+        None => err(StatusCode::NOT_FOUND, "unknown_pod", format!("no pod {id}")),
+    }
+}
+
+async fn put_pod_h(State(api): State<Api>, Path(id): Path<String>, body: Bytes) -> Response {
+    let reg: PodRegistration = match parse(&body, "pod registration") {
+        Ok(r) => r,
+        Err(resp) => return resp,
+    };
+    match api.sc.register(&id, reg) {
+        Ok(()) => get_pod_h(State(api), Path(id)).await,
+        Err(e) if e.contains("already has") => err(StatusCode::CONFLICT, "model_full", e),
+        Err(e) => err(StatusCode::BAD_REQUEST, "bad_registration", e),
+    }
+}
+
+async fn delete_pod_h(State(api): State<Api>, Path(id): Path<String>) -> Response {
+    if api.sc.remove_pod(&id, "api") {
+        StatusCode::NO_CONTENT.into_response()
+    } else {
+        err(StatusCode::NOT_FOUND, "unknown_pod", format!("no pod {id}"))
+    }
+}
+
+async fn get_config_h(State(api): State<Api>) -> Response {
+    Json((*api.sc.config()).clone()).into_response()
+}
+
+async fn put_config_h(State(api): State<Api>, body: Bytes) -> Response {
+    let cfg: PolicyConfig = match serde_json::from_slice(&body) {
+        Ok(c) => c,
+        Err(e) => {
+            api.sc
+                .metrics
+                .config_rejected
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return (
+                StatusCode::BAD_REQUEST,
+                Json(json!({"error": "invalid config", "problems": [e.to_string()]})),
+            )
+                .into_response();
+        }
+    };
+    let given = Some(cfg.version);
+    match api.sc.set_config(cfg, given) {
+        Ok(c) => Json((*c).clone()).into_response(),
+        Err(ConfigError::Invalid(problems)) => {
+            (StatusCode::BAD_REQUEST, Json(json!({"error": "invalid config", "problems": problems}))).into_response()
+        }
+        Err(ConfigError::VersionConflict { current, given }) => err(
+            StatusCode::CONFLICT,
+            "version_conflict",
+            format!("config version {given} is not the current one ({current}): GET it again and reapply your change"),
+        ),
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct LookupQuery {
+    model: String,
+    /// Comma-separated decimal hashes.
+    chain: String,
+}
+
+#[derive(serde::Deserialize)]
+struct LookupBody {
+    model: String,
+    chain: Vec<u64>,
+}
+
+async fn lookup_get_h(State(api): State<Api>, Query(q): Query<LookupQuery>) -> Response {
+    let chain: Result<Vec<u64>, _> = q
+        .chain
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(|s| s.trim().parse::<u64>())
+        .collect();
+    match chain {
+        Ok(c) => lookup(&api.sc, &q.model, &c),
+        Err(e) => err(
+            StatusCode::BAD_REQUEST,
+            "bad_chain",
+            format!("chain must be comma-separated u64: {e}"),
+        ),
+    }
+}
+
+async fn lookup_post_h(State(api): State<Api>, body: Bytes) -> Response {
+    match parse::<LookupBody>(&body, "lookup") {
+        Ok(b) => lookup(&api.sc, &b.model, &b.chain),
+        Err(resp) => resp,
+    }
+}
+
+/// What the index knows about a chain: confirmed and predicted depth per pod, and where
+/// the deepest confirmed pod holds its blocks. No decision is made.
+fn lookup(sc: &Sidecar, model: &str, chain: &[u64]) -> Response {
+    let confirmed = sc.indexes.get(model).map(|ix| {
+        ix.lookup(chain)
+            .into_iter()
+            .map(|m| json!({"pod": &*m.pod, "matched_blocks": m.depth, "tiers": ix.tier_hint(m.slot, chain, m.depth)}))
+            .collect::<Vec<_>>()
+    });
+    let predicted = sc.predicted.indexes.get(model).map(|ix| {
+        ix.lookup(chain)
+            .into_iter()
+            .map(|m| json!({"pod": &*m.pod, "matched_blocks": m.depth}))
+            .collect::<Vec<_>>()
+    });
+    Json(
+        json!({"model": model, "blocks": chain.len(), "confirmed": confirmed.unwrap_or_default(),
+                "predicted": predicted.unwrap_or_default()}),
+    )
+    .into_response()
+}
+
+async fn metrics_h(State(api): State<Api>) -> Response {
+    let body = api.sc.metrics.render(&api.sc.gauges());
+    ([("content-type", "text/plain; version=0.0.4")], body).into_response()
+}
+
+async fn ready_h(State(api): State<Api>) -> Response {
+    let nats_wanted = api
+        .sc
+        .nats_configured
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let nats_up = api
+        .sc
+        .metrics
+        .nats_connected
+        .load(std::sync::atomic::Ordering::Relaxed)
+        == 1;
+    if nats_wanted && !nats_up {
+        // Still serving (from HTTP ingestion and predicted mode), but say so.
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"ready": false, "degraded": "nats disconnected"})),
+        )
+            .into_response();
+    }
+    Json(json!({"ready": true})).into_response()
+}

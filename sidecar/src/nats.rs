@@ -1,0 +1,120 @@
+//! Event ingestion from NATS. Every sidecar replica subscribes to the same subject, so
+//! all replicas build the same index. The connection is retried forever with backoff
+//! (also when NATS is down at start); its state is a metric and part of `/readyz`.
+//! A malformed message is counted and dropped; it never stalls the subscription.
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use kvroute_shared::protocol::EventBatch;
+use tokio::sync::watch;
+
+use crate::ingest::{self, IngestLocks};
+use crate::state::Sidecar;
+
+#[derive(Clone, Debug, Default)]
+pub struct NatsOpts {
+    pub url: String,
+    pub subject: String,
+    pub user: Option<String>,
+    pub password: Option<String>,
+    pub token: Option<String>,
+    pub creds_file: Option<PathBuf>,
+    pub tls_ca: Option<PathBuf>,
+    pub require_tls: bool,
+}
+
+pub async fn connect(sc: &Arc<Sidecar>, o: &NatsOpts) -> anyhow::Result<async_nats::Client> {
+    let sc_ev = sc.clone();
+    let mut opts = async_nats::ConnectOptions::new()
+        .name("kvroute-sidecar")
+        .retry_on_initial_connect()
+        .max_reconnects(None)
+        .connection_timeout(Duration::from_secs(2))
+        .reconnect_delay_callback(|attempt| {
+            Duration::from_millis((100u64 << attempt.min(5)).min(3000))
+        })
+        .event_callback(move |ev| {
+            let sc = sc_ev.clone();
+            async move {
+                let up = match ev {
+                    async_nats::Event::Connected => Some(1),
+                    async_nats::Event::Disconnected | async_nats::Event::Closed => Some(0),
+                    _ => None,
+                };
+                if let Some(v) = up {
+                    sc.metrics.nats_connected.store(v, Ordering::Relaxed);
+                    tracing::info!("nats: {ev}");
+                }
+            }
+        });
+    if let (Some(u), Some(p)) = (&o.user, &o.password) {
+        opts = opts.user_and_password(u.clone(), p.clone());
+    }
+    if let Some(t) = &o.token {
+        opts = opts.token(t.clone());
+    }
+    if let Some(c) = &o.creds_file {
+        opts = opts.credentials_file(c).await?;
+    }
+    if let Some(ca) = &o.tls_ca {
+        opts = opts.add_root_certificates(ca.clone());
+    }
+    if o.require_tls {
+        opts = opts.require_tls(true);
+    }
+    Ok(opts.connect(o.url.as_str()).await?)
+}
+
+pub async fn run(
+    sc: Arc<Sidecar>,
+    locks: Arc<IngestLocks>,
+    o: NatsOpts,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    sc.nats_configured.store(true, Ordering::Relaxed);
+    let client = match connect(&sc, &o).await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!("nats: cannot configure the connection: {e}");
+            return;
+        }
+    };
+    let mut sub = loop {
+        match client.subscribe(o.subject.clone()).await {
+            Ok(s) => break s,
+            Err(e) => {
+                tracing::warn!("nats: subscribe failed ({e}); retrying");
+                tokio::select! {
+                    _ = shutdown.changed() => return,
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+            }
+        }
+    };
+    tracing::info!("nats: subscribed to {}", o.subject);
+    loop {
+        tokio::select! {
+            _ = shutdown.changed() => break,
+            msg = sub.next() => {
+                let Some(msg) = msg else { break };
+                sc.metrics.nats_messages.fetch_add(1, Ordering::Relaxed);
+                match EventBatch::decode(&msg.payload) {
+                    Ok(batch) => {
+                        if let Err(e) = ingest::ingest(&sc, &locks, &batch) {
+                            tracing::debug!("nats: batch refused: {e}");
+                        }
+                    }
+                    Err(e) => {
+                        sc.metrics.events_rejected.inc(e.reason(), 1);
+                        tracing::debug!("nats: malformed batch on {}: {e}", msg.subject);
+                    }
+                }
+            }
+        }
+    }
+    let _ = sub.unsubscribe().await;
+}

@@ -1,0 +1,155 @@
+//! Predicted residency, for engines that publish no KV events and for text-mode chains
+//! (which no engine computes): each route decision records the request's chain as
+//! cached on the chosen pod, with a TTL and a per-pod capacity.
+//!
+//! Kept in its own per-model index (the same structure as the confirmed one), so a
+//! confirmed hit and a guess are never mixed up and the policy can weigh them apart.
+//! Each pod's capacity adapts to the engines' reports (AIMD): a report of fewer cached
+//! tokens than predicted means the pod evicts sooner than assumed, so its capacity is cut
+//! by 30% and the oldest guesses beyond it go; a correct prediction grows it back by the
+//! request's size, up to the configured cap.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvroute_shared::protocol::Tier;
+use parking_lot::Mutex;
+
+use crate::index::{Indexes, ModelIndex};
+
+struct PodLru {
+    model: String,
+    /// Current (adaptive) capacity in blocks.
+    cap: f64,
+    order: VecDeque<(u64, Instant)>,
+    /// Block → time of its latest insertion (older queue entries are stale).
+    live: HashMap<u64, Instant>,
+}
+
+#[derive(Default)]
+pub struct Predicted {
+    pub indexes: Indexes,
+    pods: Mutex<HashMap<Arc<str>, PodLru>>,
+}
+
+impl Predicted {
+    fn index(&self, model: &str, max_blocks: u64) -> Arc<ModelIndex> {
+        self.indexes.get_or_create(model, max_blocks)
+    }
+
+    /// Record `chain` as cached on `pod`.
+    pub fn insert(&self, model: &str, pod: &str, chain: &[u64], cap: u64, now: Instant) {
+        if chain.is_empty() {
+            return;
+        }
+        let ix = self.index(model, cap.saturating_mul(256));
+        let Ok(h) = ix.join(pod) else { return };
+        let _ = ix.store(h, Tier::Gpu, chain);
+        let mut pods = self.pods.lock();
+        let lru = pods.entry(Arc::from(pod)).or_insert_with(|| PodLru {
+            model: model.to_string(),
+            cap: cap as f64,
+            order: VecDeque::new(),
+            live: HashMap::new(),
+        });
+        for &b in chain {
+            lru.live.insert(b, now);
+            lru.order.push_back((b, now));
+        }
+        let evicted = evict(lru, lru.cap as usize, None);
+        drop(pods);
+        if !evicted.is_empty() {
+            let _ = ix.remove(h, Tier::Gpu, &evicted);
+        }
+    }
+
+    /// Drop guesses older than `ttl`.
+    pub fn expire(&self, ttl: Duration, now: Instant) {
+        let mut work = Vec::new();
+        {
+            let mut pods = self.pods.lock();
+            for (pod, lru) in pods.iter_mut() {
+                let gone = evict(lru, usize::MAX, Some((ttl, now)));
+                if !gone.is_empty() {
+                    work.push((lru.model.clone(), pod.clone(), gone));
+                }
+            }
+        }
+        for (model, pod, gone) in work {
+            if let (Some(ix), Some(h)) = (
+                self.indexes.get(&model),
+                self.indexes.get(&model).and_then(|i| i.handle(&pod)),
+            ) {
+                let _ = ix.remove(h, Tier::Gpu, &gone);
+            }
+        }
+    }
+
+    /// Feedback from a completion report (AIMD on the pod's capacity).
+    pub fn feedback(&self, pod: &str, mispredicted: bool, grow_by: u64, max_cap: u64) {
+        let mut evicted = Vec::new();
+        let mut model = String::new();
+        {
+            let mut pods = self.pods.lock();
+            let Some(lru) = pods.get_mut(pod) else { return };
+            if mispredicted {
+                lru.cap = (lru.cap * 0.7).max(16.0);
+                evicted = evict(lru, lru.cap as usize, None);
+                model = lru.model.clone();
+            } else {
+                lru.cap = (lru.cap + grow_by as f64).min(max_cap as f64);
+            }
+        }
+        if !evicted.is_empty() {
+            if let Some(ix) = self.indexes.get(&model) {
+                if let Some(h) = ix.handle(pod) {
+                    let _ = ix.remove(h, Tier::Gpu, &evicted);
+                }
+            }
+        }
+    }
+
+    /// Forget a pod (removed or restarted). Returns the slot to clean.
+    pub fn forget(
+        &self,
+        model: &str,
+        pod: &str,
+    ) -> Option<(Arc<ModelIndex>, crate::index::Retired)> {
+        self.pods.lock().remove(pod);
+        let ix = self.indexes.get(model)?;
+        let r = ix.retire(pod)?;
+        Some((ix, r))
+    }
+
+    pub fn capacity_of(&self, pod: &str) -> Option<f64> {
+        self.pods.lock().get(pod).map(|l| l.cap)
+    }
+
+    pub fn entries(&self) -> u64 {
+        self.indexes
+            .all()
+            .iter()
+            .map(|(_, i)| i.stats().entries)
+            .sum()
+    }
+}
+
+/// Pop least-recent blocks until at most `cap` are live, or (with a TTL) all older than it.
+fn evict(lru: &mut PodLru, cap: usize, ttl: Option<(Duration, Instant)>) -> Vec<u64> {
+    let mut out = Vec::new();
+    while let Some(&(b, at)) = lru.order.front() {
+        let over = lru.live.len() > cap;
+        let expired = ttl.is_some_and(|(ttl, now)| now.duration_since(at) > ttl);
+        if !over && !expired {
+            break;
+        }
+        lru.order.pop_front();
+        // Only the latest insertion of a block counts; earlier queue entries are stale.
+        if lru.live.get(&b) == Some(&at) {
+            lru.live.remove(&b);
+            out.push(b);
+        }
+    }
+    out
+}

@@ -1,0 +1,188 @@
+//! `kvroute-sidecar serve`: wire the state, the background tasks and the listeners
+//! together, and shut them down in order on SIGTERM/SIGINT.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Args;
+use kvroute_shared::protocol::{PodRegistration, PolicyConfig};
+use tokio::sync::watch;
+
+use crate::cleaner::{self, DropGuard};
+use crate::http::{self, Api};
+use crate::ingest::IngestLocks;
+use crate::nats::{self, NatsOpts};
+use crate::state::Sidecar;
+
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Admin + API listener (TCP). Loopback by default: expose it deliberately.
+    #[arg(long, env = "KVROUTE_LISTEN", default_value = "127.0.0.1:9090")]
+    pub listen: SocketAddr,
+    /// Unix socket for the filter (Envoy's sidecar cluster).
+    #[arg(long, env = "KVROUTE_UDS")]
+    pub uds: Option<PathBuf>,
+    /// Permissions of the Unix socket (octal). Never world-writable.
+    #[arg(long, env = "KVROUTE_UDS_MODE", default_value = "660")]
+    pub uds_mode: String,
+    /// NATS server URL (optional: without it, HTTP ingestion and predicted mode only).
+    #[arg(long, env = "KVROUTE_NATS")]
+    pub nats: Option<String>,
+    #[arg(long, env = "KVROUTE_NATS_SUBJECT", default_value = "kvroute.events.>")]
+    pub nats_subject: String,
+    #[arg(long, env = "KVROUTE_NATS_USER")]
+    pub nats_user: Option<String>,
+    #[arg(long, env = "KVROUTE_NATS_PASSWORD")]
+    pub nats_password: Option<String>,
+    #[arg(long, env = "KVROUTE_NATS_TOKEN")]
+    pub nats_token: Option<String>,
+    /// NATS credentials file (.creds).
+    #[arg(long, env = "KVROUTE_NATS_CREDS")]
+    pub nats_creds: Option<PathBuf>,
+    /// CA certificate for NATS over TLS (implies --nats-require-tls).
+    #[arg(long, env = "KVROUTE_NATS_TLS_CA")]
+    pub nats_tls_ca: Option<PathBuf>,
+    #[arg(long, env = "KVROUTE_NATS_REQUIRE_TLS")]
+    pub nats_require_tls: bool,
+    /// When set, state-changing requests on the TCP listener need `Authorization: Bearer`.
+    #[arg(long, env = "KVROUTE_ADMIN_TOKEN")]
+    pub admin_token: Option<String>,
+    /// Static pods: a JSON object `{"ip:port": {"model": ...}, ...}`.
+    #[arg(long, env = "KVROUTE_PODS")]
+    pub pods: Option<PathBuf>,
+    /// Initial policy (the JSON of `GET /v1/config`).
+    #[arg(long, env = "KVROUTE_CONFIG")]
+    pub config: Option<PathBuf>,
+}
+
+fn read_json<T: serde::de::DeserializeOwned>(path: &PathBuf, what: &str) -> anyhow::Result<T> {
+    let text = std::fs::read(path).with_context(|| format!("reading {what} {}", path.display()))?;
+    serde_json::from_slice(&text).with_context(|| format!("{what} {} is not valid", path.display()))
+}
+
+pub async fn run(a: ServeArgs) -> anyhow::Result<()> {
+    let cfg: PolicyConfig = match &a.config {
+        Some(p) => read_json(p, "config file")?,
+        None => PolicyConfig::default(),
+    };
+    let (sc, ch) = Sidecar::new(cfg)
+        .map_err(|errs| anyhow::anyhow!("invalid config:\n  {}", errs.join("\n  ")))?;
+    if let Some(p) = &a.pods {
+        let pods: BTreeMap<String, PodRegistration> = read_json(p, "pods file")?;
+        for (id, reg) in pods {
+            sc.register(&id, reg)
+                .map_err(|e| anyhow::anyhow!("pods file: {id}: {e}"))?;
+        }
+    }
+    let locks = Arc::new(IngestLocks::default());
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let guard = DropGuard(stop_tx);
+
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn(cleaner::run(sc.clone(), ch.cleanup, stop_rx.clone()));
+    tasks.spawn(cleaner::resyncs(
+        sc.clone(),
+        locks.clone(),
+        ch.resync,
+        stop_rx.clone(),
+    ));
+    if let Some(url) = &a.nats {
+        let o = NatsOpts {
+            url: url.clone(),
+            subject: a.nats_subject.clone(),
+            user: a.nats_user.clone(),
+            password: a.nats_password.clone(),
+            token: a.nats_token.clone(),
+            creds_file: a.nats_creds.clone(),
+            require_tls: a.nats_require_tls || a.nats_tls_ca.is_some(),
+            tls_ca: a.nats_tls_ca.clone(),
+        };
+        tasks.spawn(nats::run(sc.clone(), locks.clone(), o, stop_rx.clone()));
+    }
+
+    let tcp_api = Api {
+        sc: sc.clone(),
+        locks: locks.clone(),
+        admin_token: a.admin_token.as_deref().map(Arc::from),
+    };
+    let listener = tokio::net::TcpListener::bind(a.listen)
+        .await
+        .with_context(|| format!("binding {}", a.listen))?;
+    let bound = listener.local_addr()?;
+    let mut servers = tokio::task::JoinSet::new();
+    let shutdown = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.changed().await;
+    };
+    servers.spawn(async move {
+        axum::serve(listener, http::router(tcp_api))
+            .with_graceful_shutdown(shutdown(stop_rx.clone()))
+            .await
+    });
+    if let Some(path) = &a.uds {
+        let _ = std::fs::remove_file(path);
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).ok();
+        }
+        let uds = tokio::net::UnixListener::bind(path)
+            .with_context(|| format!("binding {}", path.display()))?;
+        let mode = u32::from_str_radix(&a.uds_mode, 8).context("--uds-mode must be octal")?;
+        if mode & 0o002 != 0 {
+            anyhow::bail!("--uds-mode {:o} is world-writable; refusing", mode);
+        }
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+        let uds_api = Api {
+            sc: sc.clone(),
+            locks: locks.clone(),
+            admin_token: None,
+        };
+        let rx = guard.0.subscribe();
+        servers.spawn(async move {
+            axum::serve(uds, http::router(uds_api))
+                .with_graceful_shutdown(shutdown(rx))
+                .await
+        });
+        eprintln!(
+            "kvroute-sidecar: unix socket {} (mode {:o})",
+            path.display(),
+            mode
+        );
+    }
+    // Tests and scripts read this line to learn the bound port.
+    eprintln!("kvroute-sidecar: listening on {bound}");
+
+    wait_for_signal().await;
+    eprintln!("kvroute-sidecar: shutting down");
+    drop(guard); // stops the background tasks and starts the graceful HTTP shutdown
+    while let Some(r) = servers.join_next().await {
+        if let Ok(Err(e)) = r {
+            tracing::warn!("listener ended with {e}");
+        }
+    }
+    while tasks.join_next().await.is_some() {}
+    if let Some(path) = &a.uds {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) {
+        (Ok(mut term), Ok(mut int)) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+        }
+        _ => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}

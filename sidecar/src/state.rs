@@ -1,0 +1,258 @@
+//! The sidecar's shared state: the confirmed index, predicted residency, the pod
+//! registry, the policy in force, outstanding decisions and metrics. Request handlers,
+//! the NATS consumer and the background cleaner all hold an `Arc<Sidecar>`.
+//!
+//! Data flows one way: events → [`crate::ingest`] → index and registry; route requests
+//! → [`crate::route`] (index lookup → policy → decision → load projection); reports →
+//! load release and prediction feedback. Work that must not run on a request's path
+//! (phase 2 of pod removal, dump fetches) is queued to background tasks.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvroute_shared::protocol::{PodRegistration, PolicyConfig};
+use parking_lot::{Mutex, RwLock};
+use tokio::sync::mpsc;
+
+use crate::index::{Indexes, ModelIndex, Retired};
+use crate::metrics::{Gauges, Metrics};
+use crate::pods::{Pod, Pods};
+use crate::predicted::Predicted;
+
+/// Phase 2 of a pod removal, for the cleaner.
+pub struct CleanupJob {
+    pub index: Arc<ModelIndex>,
+    pub retired: Retired,
+}
+
+/// Fetch a pod's full dump after a sequence gap.
+#[derive(Debug, Clone)]
+pub struct ResyncJob {
+    pub pod: Arc<str>,
+    pub model: String,
+    pub url: String,
+}
+
+/// A route decision whose load is still projected.
+#[derive(Debug, Clone)]
+pub struct Decision {
+    pub pod: Arc<str>,
+    pub model: String,
+    pub prefill_tokens: u64,
+    pub blocks: u64,
+    pub at: Instant,
+    /// Tokens the router expected the engine to find cached.
+    pub expected_cached: u64,
+    /// Residency of this pod was a guess (predicted mode).
+    pub predicted: bool,
+    pub chain_blocks: u64,
+    /// Counted in the pod's in-flight requests (false for a prefill pod's share).
+    pub inflight: bool,
+}
+
+pub struct Channels {
+    pub cleanup: mpsc::UnboundedReceiver<CleanupJob>,
+    pub resync: mpsc::UnboundedReceiver<ResyncJob>,
+}
+
+pub struct Sidecar {
+    pub indexes: Indexes,
+    pub predicted: Predicted,
+    pub pods: Mutex<Pods>,
+    config: RwLock<Arc<PolicyConfig>>,
+    pub decisions: Mutex<HashMap<String, Decision>>,
+    pub metrics: Metrics,
+    cleanup_tx: mpsc::UnboundedSender<CleanupJob>,
+    pub resync_tx: mpsc::UnboundedSender<ResyncJob>,
+    pub nats_configured: AtomicBool,
+    next_id: AtomicU64,
+    pub started: Instant,
+    /// This replica's id (for load broadcasts between replicas).
+    pub replica: String,
+}
+
+/// Why a config update was refused.
+#[derive(Debug)]
+pub enum ConfigError {
+    Invalid(Vec<String>),
+    VersionConflict { current: u64, given: u64 },
+}
+
+impl Sidecar {
+    pub fn new(cfg: PolicyConfig) -> Result<(Arc<Sidecar>, Channels), Vec<String>> {
+        cfg.validate()?;
+        let (cleanup_tx, cleanup) = mpsc::unbounded_channel();
+        let (resync_tx, resync) = mpsc::unbounded_channel();
+        let mut cfg = cfg;
+        cfg.version = cfg.version.max(1);
+        let metrics = Metrics::default();
+        metrics.config_version.store(cfg.version, Ordering::Relaxed);
+        let replica = format!(
+            "{:016x}",
+            xxhash_rust::xxh3::xxh3_64(
+                format!("{:?}{}", Instant::now(), std::process::id()).as_bytes()
+            )
+        );
+        let sc = Sidecar {
+            indexes: Indexes::default(),
+            predicted: Predicted::default(),
+            pods: Mutex::new(Pods::new()),
+            config: RwLock::new(Arc::new(cfg)),
+            decisions: Mutex::new(HashMap::new()),
+            metrics,
+            cleanup_tx,
+            resync_tx,
+            nats_configured: AtomicBool::new(false),
+            next_id: AtomicU64::new(1),
+            started: Instant::now(),
+            replica,
+        };
+        Ok((Arc::new(sc), Channels { cleanup, resync }))
+    }
+
+    pub fn config(&self) -> Arc<PolicyConfig> {
+        self.config.read().clone()
+    }
+
+    /// Replace the whole policy atomically. A config that carries a version must carry
+    /// the current one; the new one gets the next version.
+    pub fn set_config(
+        &self,
+        mut new: PolicyConfig,
+        given_version: Option<u64>,
+    ) -> Result<Arc<PolicyConfig>, ConfigError> {
+        if let Err(errs) = new.validate() {
+            self.metrics.config_rejected.fetch_add(1, Ordering::Relaxed);
+            return Err(ConfigError::Invalid(errs));
+        }
+        let mut cur = self.config.write();
+        if let Some(v) = given_version.filter(|v| *v != 0) {
+            if v != cur.version {
+                self.metrics.config_rejected.fetch_add(1, Ordering::Relaxed);
+                return Err(ConfigError::VersionConflict {
+                    current: cur.version,
+                    given: v,
+                });
+            }
+        }
+        new.version = cur.version + 1;
+        for (model, ix) in self.indexes.all() {
+            ix.set_max_blocks(new.model(&model).max_blocks);
+        }
+        *cur = Arc::new(new);
+        self.metrics
+            .config_version
+            .store(cur.version, Ordering::Relaxed);
+        Ok(cur.clone())
+    }
+
+    pub fn index(&self, model: &str) -> Arc<ModelIndex> {
+        let cap = self.config().model(model).max_blocks;
+        self.indexes.get_or_create(model, cap)
+    }
+
+    pub fn queue_cleanup(&self, index: Arc<ModelIndex>, retired: Retired) {
+        if let Err(e) = self.cleanup_tx.send(CleanupJob { index, retired }) {
+            // No cleaner (tests, shutdown): clean inline rather than leak the slot.
+            let job = e.0;
+            job.index.cleanup(job.retired);
+        }
+    }
+
+    pub fn next_request_id(&self) -> String {
+        format!("kvr-{}", self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Register or update a pod (`PUT /v1/pods/{id}`).
+    pub fn register(&self, id: &str, reg: PodRegistration) -> Result<(), String> {
+        if reg.model.is_empty() {
+            return Err("model must not be empty".into());
+        }
+        if !valid_pod_id(id) {
+            return Err(format!("pod id {id:?} must be host:port"));
+        }
+        let now = Instant::now();
+        let moved = {
+            let mut pods = self.pods.lock();
+            match pods.get_mut(id) {
+                Some(p) => {
+                    let old_model = std::mem::replace(&mut p.reg, reg.clone()).model;
+                    p.registered = true;
+                    (old_model != reg.model).then_some(old_model)
+                }
+                None => {
+                    pods.insert(Arc::from(id), Pod::new(id, reg.clone(), true, now));
+                    None
+                }
+            }
+        };
+        if let Some(old) = moved {
+            self.drop_from_index(&old, id);
+        }
+        // Join the index now so that the 257th pod is refused at registration.
+        self.index(&reg.model).join(id).map_err(|e| {
+            self.metrics.pods_refused.fetch_add(1, Ordering::Relaxed);
+            self.pods.lock().remove(id);
+            e.to_string()
+        })?;
+        Ok(())
+    }
+
+    /// Two-phase removal: the pod is out of every later decision when this returns.
+    pub fn remove_pod(&self, id: &str, reason: &str) -> bool {
+        let Some(pod) = self.pods.lock().remove(id) else {
+            return false;
+        };
+        self.drop_from_index(&pod.reg.model, id);
+        self.decisions.lock().retain(|_, d| &*d.pod != id);
+        self.metrics.pods_removed.inc(reason, 1);
+        true
+    }
+
+    fn drop_from_index(&self, model: &str, id: &str) {
+        if let Some(ix) = self.indexes.get(model) {
+            if let Some(r) = ix.retire(id) {
+                self.queue_cleanup(ix, r);
+            }
+        }
+        if let Some((ix, r)) = self.predicted.forget(model, id) {
+            self.queue_cleanup(ix, r);
+        }
+    }
+
+    pub fn gauges(&self) -> Gauges {
+        let mut g = Gauges::default();
+        let now = Instant::now();
+        for p in self.pods.lock().values() {
+            if p.stale {
+                g.pods_stale += 1;
+            }
+            if !p.breaker_open(now) {
+                g.pods_live += 1;
+            }
+        }
+        for (m, ix) in self.indexes.all() {
+            let s = ix.stats();
+            g.pods_draining += s.draining_pods as u64;
+            g.index.push((m, s.entries, s.heap_bytes));
+        }
+        g.predicted_entries = self.predicted.entries();
+        g.inflight = self.decisions.lock().len() as u64;
+        g
+    }
+}
+
+/// `host:port` (what Envoy's override-host header carries).
+pub fn valid_pod_id(s: &str) -> bool {
+    let Some((host, port)) = s.rsplit_once(':') else {
+        return false;
+    };
+    !host.is_empty()
+        && host.len() <= 253
+        && host.bytes().all(|b| {
+            b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_' | b':' | b'[' | b']')
+        })
+        && port.parse::<u16>().is_ok()
+}
