@@ -4,9 +4,11 @@
 
 pub mod bench;
 pub mod cache;
+pub mod client;
 pub mod envoy;
 pub mod procs;
 pub mod radix;
+pub mod services;
 pub mod stub;
 pub mod workload;
 

@@ -1,0 +1,124 @@
+//! A small typed client of the sidecar's HTTP API, for tests, the demo and benchmarks.
+
+use kvroute_shared::protocol::{Event, EventBatch, PodRegistration, RouteRequest, RouteResponse, Tier};
+use kvroute_shared::Mode;
+use serde_json::Value;
+
+#[derive(Clone)]
+pub struct Api {
+    pub base: String,
+    pub http: reqwest::Client,
+    pub token: Option<String>,
+}
+
+/// A response's status and JSON body (`Null` when empty or not JSON).
+pub struct Reply {
+    pub status: u16,
+    pub json: Value,
+}
+
+impl Api {
+    pub fn new(addr: std::net::SocketAddr) -> Api {
+        Api { base: format!("http://{addr}"), http: reqwest::Client::new(), token: None }
+    }
+
+    pub fn with_token(mut self, t: &str) -> Api {
+        self.token = Some(t.to_string());
+        self
+    }
+
+    async fn send(&self, method: reqwest::Method, path: &str, body: Option<Vec<u8>>) -> Reply {
+        let mut r = self.http.request(method, format!("{}{path}", self.base));
+        if let Some(t) = &self.token {
+            r = r.bearer_auth(t);
+        }
+        if let Some(b) = body {
+            r = r.header("content-type", "application/json").body(b);
+        }
+        let resp = r.send().await.expect("sidecar reachable");
+        let status = resp.status().as_u16();
+        let bytes = resp.bytes().await.unwrap_or_default();
+        Reply { status, json: serde_json::from_slice(&bytes).unwrap_or(Value::Null) }
+    }
+
+    pub async fn get(&self, path: &str) -> Reply {
+        self.send(reqwest::Method::GET, path, None).await
+    }
+
+    pub async fn post(&self, path: &str, body: impl serde::Serialize) -> Reply {
+        self.send(reqwest::Method::POST, path, serde_json::to_vec(&body).ok()).await
+    }
+
+    pub async fn post_raw(&self, path: &str, body: &[u8]) -> Reply {
+        self.send(reqwest::Method::POST, path, Some(body.to_vec())).await
+    }
+
+    pub async fn put(&self, path: &str, body: impl serde::Serialize) -> Reply {
+        self.send(reqwest::Method::PUT, path, serde_json::to_vec(&body).ok()).await
+    }
+
+    pub async fn delete(&self, path: &str) -> Reply {
+        self.send(reqwest::Method::DELETE, path, None).await
+    }
+
+    pub async fn register(&self, pod: &str, model: &str) -> Reply {
+        self.put(&format!("/v1/pods/{pod}"), PodRegistration { model: model.into(), ..Default::default() }).await
+    }
+
+    pub async fn events(&self, b: &EventBatch) -> Reply {
+        self.post("/v1/events", b).await
+    }
+
+    /// Route a token-mode chain; panics on a non-200 answer.
+    pub async fn route(&self, model: &str, chain: &[u64], block_size: u32) -> RouteResponse {
+        let r = self.post("/v1/route", route_req(model, chain, block_size)).await;
+        assert_eq!(r.status, 200, "route failed: {}", r.json);
+        serde_json::from_value(r.json).expect("route response")
+    }
+
+    pub async fn metric(&self, name: &str) -> f64 {
+        let resp = self.http.get(format!("{}/metrics", self.base)).send().await.expect("metrics");
+        let text = resp.text().await.unwrap_or_default();
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .find_map(|l| {
+                let (k, v) = l.rsplit_once(' ')?;
+                (k == name).then(|| v.parse().ok()).flatten()
+            })
+            .unwrap_or(0.0)
+    }
+}
+
+pub fn route_req(model: &str, chain: &[u64], block_size: u32) -> RouteRequest {
+    RouteRequest {
+        model: model.into(),
+        adapter: String::new(),
+        mode: Mode::Tokens,
+        block_size,
+        chain: chain.to_vec(),
+        prompt_tokens: chain.len() as u32 * block_size,
+        request_id: None,
+        session: None,
+        role: None,
+        dry_run: false,
+    }
+}
+
+pub fn batch(pod: &str, model: &str, epoch: &str, seq: u64, events: Vec<Event>) -> EventBatch {
+    EventBatch { v: 1, pod: pod.into(), model: model.into(), epoch: epoch.into(), seq, ts: None, events }
+}
+
+pub fn stored(blocks: &[u64]) -> Event {
+    Event::Stored { tier: Tier::Gpu, parent: None, blocks: blocks.to_vec(), tokens: None }
+}
+
+pub fn removed(blocks: &[u64]) -> Event {
+    Event::Removed { tier: Tier::Gpu, blocks: blocks.to_vec() }
+}
+
+/// A token chain of `n` blocks, distinct per `seed`.
+pub fn chain(model: &str, seed: u32, n: usize, block_size: u32) -> Vec<u64> {
+    let ns = kvroute_shared::Namespace { mode: Mode::Tokens, block_size, model, adapter: "", cache_salt: "" };
+    let toks: Vec<u32> = (0..n as u32 * block_size).map(|t| t.wrapping_add(seed.wrapping_mul(1_000_003))).collect();
+    ns.chain_tokens(&toks)
+}

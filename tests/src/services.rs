@@ -1,0 +1,111 @@
+//! The real services as child processes: `nats-server` and `kvroute-sidecar serve`,
+//! each on free loopback ports, each killed when its handle drops.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::Context;
+
+use crate::procs::{free_port, wait_until, workspace_bin, Child};
+
+/// A `nats-server` on 127.0.0.1 (no JetStream needed: kvroute uses core NATS).
+pub struct Nats {
+    pub port: u16,
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+}
+
+impl Nats {
+    pub fn start() -> anyhow::Result<Nats> {
+        let mut n = Nats { port: free_port(), child: None, dir: tempfile::tempdir()? };
+        n.restart()?;
+        Ok(n)
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// (Re)start on the same port.
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        let log = self.dir.path().join("nats.log");
+        let child = Child::spawn(
+            "nats-server",
+            Command::new("nats-server").args(["-a", "127.0.0.1", "-p", &self.port.to_string()]),
+            Some(&log),
+        )?;
+        self.child = Some(child);
+        let port = self.port;
+        wait_until(Duration::from_secs(10), || std::net::TcpStream::connect(("127.0.0.1", port)).ok())
+            .with_context(|| format!("nats-server did not start: {}", std::fs::read_to_string(&log).unwrap_or_default()))?;
+        Ok(())
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill();
+        }
+    }
+}
+
+/// A running `kvroute-sidecar serve`.
+pub struct SidecarProc {
+    pub addr: SocketAddr,
+    pub uds: Option<PathBuf>,
+    child: Child,
+    log: PathBuf,
+    pub dir: tempfile::TempDir,
+}
+
+pub fn sidecar_bin() -> PathBuf {
+    workspace_bin("kvroute-sidecar")
+}
+
+impl SidecarProc {
+    /// Start with extra `serve` arguments; `--listen` is a free port, and `uds` a socket in
+    /// a temporary directory when asked.
+    pub fn start(args: &[&str], uds: bool) -> anyhow::Result<SidecarProc> {
+        let bin = sidecar_bin();
+        anyhow::ensure!(bin.exists(), "{} missing: build the workspace first (cargo build)", bin.display());
+        let dir = tempfile::tempdir()?;
+        let log = dir.path().join("sidecar.log");
+        let sock = uds.then(|| dir.path().join("sidecar.sock"));
+        let mut cmd = Command::new(&bin);
+        cmd.arg("serve").arg("--listen").arg("127.0.0.1:0").args(args).env("KVROUTE_LOG", "info");
+        if let Some(s) = &sock {
+            cmd.arg("--uds").arg(s);
+        }
+        let child = Child::spawn("kvroute-sidecar", &mut cmd, Some(&log))?;
+        let addr = wait_until(Duration::from_secs(10), || listening_addr(&log))
+            .with_context(|| format!("sidecar did not start: {}", std::fs::read_to_string(&log).unwrap_or_default()))?;
+        Ok(SidecarProc { addr, uds: sock, child, log, dir })
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.pid()
+    }
+
+    /// SIGTERM and wait: returns the exit code (graceful shutdown).
+    pub fn terminate(&mut self) -> Option<i32> {
+        self.child.terminate(Duration::from_secs(10))
+    }
+
+    pub fn kill(&mut self) {
+        self.child.kill();
+    }
+}
+
+fn listening_addr(log: &Path) -> Option<SocketAddr> {
+    let text = std::fs::read_to_string(log).ok()?;
+    text.lines().find_map(|l| l.strip_prefix("kvroute-sidecar: listening on ")?.trim().parse().ok())
+}
