@@ -1,6 +1,8 @@
 //! A small typed client of the sidecar's HTTP API, for tests, the demo and benchmarks.
 
-use kvroute_shared::protocol::{Event, EventBatch, PodRegistration, RouteRequest, RouteResponse, Tier};
+use kvroute_shared::protocol::{
+    Event, EventBatch, PodRegistration, RouteRequest, RouteResponse, Tier,
+};
 use kvroute_shared::Mode;
 use serde_json::Value;
 
@@ -19,7 +21,11 @@ pub struct Reply {
 
 impl Api {
     pub fn new(addr: std::net::SocketAddr) -> Api {
-        Api { base: format!("http://{addr}"), http: reqwest::Client::new(), token: None }
+        Api {
+            base: format!("http://{addr}"),
+            http: reqwest::Client::new(),
+            token: None,
+        }
     }
 
     pub fn with_token(mut self, t: &str) -> Api {
@@ -38,7 +44,10 @@ impl Api {
         let resp = r.send().await.expect("sidecar reachable");
         let status = resp.status().as_u16();
         let bytes = resp.bytes().await.unwrap_or_default();
-        Reply { status, json: serde_json::from_slice(&bytes).unwrap_or(Value::Null) }
+        Reply {
+            status,
+            json: serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        }
     }
 
     pub async fn get(&self, path: &str) -> Reply {
@@ -46,15 +55,18 @@ impl Api {
     }
 
     pub async fn post(&self, path: &str, body: impl serde::Serialize) -> Reply {
-        self.send(reqwest::Method::POST, path, serde_json::to_vec(&body).ok()).await
+        self.send(reqwest::Method::POST, path, serde_json::to_vec(&body).ok())
+            .await
     }
 
     pub async fn post_raw(&self, path: &str, body: &[u8]) -> Reply {
-        self.send(reqwest::Method::POST, path, Some(body.to_vec())).await
+        self.send(reqwest::Method::POST, path, Some(body.to_vec()))
+            .await
     }
 
     pub async fn put(&self, path: &str, body: impl serde::Serialize) -> Reply {
-        self.send(reqwest::Method::PUT, path, serde_json::to_vec(&body).ok()).await
+        self.send(reqwest::Method::PUT, path, serde_json::to_vec(&body).ok())
+            .await
     }
 
     pub async fn delete(&self, path: &str) -> Reply {
@@ -62,7 +74,14 @@ impl Api {
     }
 
     pub async fn register(&self, pod: &str, model: &str) -> Reply {
-        self.put(&format!("/v1/pods/{pod}"), PodRegistration { model: model.into(), ..Default::default() }).await
+        self.put(
+            &format!("/v1/pods/{pod}"),
+            PodRegistration {
+                model: model.into(),
+                ..Default::default()
+            },
+        )
+        .await
     }
 
     pub async fn events(&self, b: &EventBatch) -> Reply {
@@ -71,13 +90,20 @@ impl Api {
 
     /// Route a token-mode chain; panics on a non-200 answer.
     pub async fn route(&self, model: &str, chain: &[u64], block_size: u32) -> RouteResponse {
-        let r = self.post("/v1/route", route_req(model, chain, block_size)).await;
+        let r = self
+            .post("/v1/route", route_req(model, chain, block_size))
+            .await;
         assert_eq!(r.status, 200, "route failed: {}", r.json);
         serde_json::from_value(r.json).expect("route response")
     }
 
     pub async fn metric(&self, name: &str) -> f64 {
-        let resp = self.http.get(format!("{}/metrics", self.base)).send().await.expect("metrics");
+        let resp = self
+            .http
+            .get(format!("{}/metrics", self.base))
+            .send()
+            .await
+            .expect("metrics");
         let text = resp.text().await.unwrap_or_default();
         text.lines()
             .filter(|l| !l.starts_with('#'))
@@ -105,20 +131,44 @@ pub fn route_req(model: &str, chain: &[u64], block_size: u32) -> RouteRequest {
 }
 
 pub fn batch(pod: &str, model: &str, epoch: &str, seq: u64, events: Vec<Event>) -> EventBatch {
-    EventBatch { v: 1, pod: pod.into(), model: model.into(), epoch: epoch.into(), seq, ts: None, events }
+    EventBatch {
+        v: 1,
+        pod: pod.into(),
+        model: model.into(),
+        epoch: epoch.into(),
+        seq,
+        ts: None,
+        events,
+    }
 }
 
 pub fn stored(blocks: &[u64]) -> Event {
-    Event::Stored { tier: Tier::Gpu, parent: None, blocks: blocks.to_vec(), tokens: None }
+    Event::Stored {
+        tier: Tier::Gpu,
+        parent: None,
+        blocks: blocks.to_vec(),
+        tokens: None,
+    }
 }
 
 pub fn removed(blocks: &[u64]) -> Event {
-    Event::Removed { tier: Tier::Gpu, blocks: blocks.to_vec() }
+    Event::Removed {
+        tier: Tier::Gpu,
+        blocks: blocks.to_vec(),
+    }
 }
 
 /// A token chain of `n` blocks, distinct per `seed`.
 pub fn chain(model: &str, seed: u32, n: usize, block_size: u32) -> Vec<u64> {
-    let ns = kvroute_shared::Namespace { mode: Mode::Tokens, block_size, model, adapter: "", cache_salt: "" };
-    let toks: Vec<u32> = (0..n as u32 * block_size).map(|t| t.wrapping_add(seed.wrapping_mul(1_000_003))).collect();
+    let ns = kvroute_shared::Namespace {
+        mode: Mode::Tokens,
+        block_size,
+        model,
+        adapter: "",
+        cache_salt: "",
+    };
+    let toks: Vec<u32> = (0..n as u32 * block_size)
+        .map(|t| t.wrapping_add(seed.wrapping_mul(1_000_003)))
+        .collect();
     ns.chain_tokens(&toks)
 }

@@ -19,7 +19,11 @@ pub struct Nats {
 
 impl Nats {
     pub fn start() -> anyhow::Result<Nats> {
-        let mut n = Nats { port: free_port(), child: None, dir: tempfile::tempdir()? };
+        let mut n = Nats {
+            port: free_port(),
+            child: None,
+            dir: tempfile::tempdir()?,
+        };
         n.restart()?;
         Ok(n)
     }
@@ -38,8 +42,15 @@ impl Nats {
         )?;
         self.child = Some(child);
         let port = self.port;
-        wait_until(Duration::from_secs(10), || std::net::TcpStream::connect(("127.0.0.1", port)).ok())
-            .with_context(|| format!("nats-server did not start: {}", std::fs::read_to_string(&log).unwrap_or_default()))?;
+        wait_until(Duration::from_secs(10), || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).ok()
+        })
+        .with_context(|| {
+            format!(
+                "nats-server did not start: {}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            )
+        })?;
         Ok(())
     }
 
@@ -68,19 +79,38 @@ impl SidecarProc {
     /// a temporary directory when asked.
     pub fn start(args: &[&str], uds: bool) -> anyhow::Result<SidecarProc> {
         let bin = sidecar_bin();
-        anyhow::ensure!(bin.exists(), "{} missing: build the workspace first (cargo build)", bin.display());
+        anyhow::ensure!(
+            bin.exists(),
+            "{} missing: build the workspace first (cargo build)",
+            bin.display()
+        );
         let dir = tempfile::tempdir()?;
         let log = dir.path().join("sidecar.log");
         let sock = uds.then(|| dir.path().join("sidecar.sock"));
         let mut cmd = Command::new(&bin);
-        cmd.arg("serve").arg("--listen").arg("127.0.0.1:0").args(args).env("KVROUTE_LOG", "info");
+        cmd.arg("serve")
+            .arg("--listen")
+            .arg("127.0.0.1:0")
+            .args(args)
+            .env("KVROUTE_LOG", "info");
         if let Some(s) = &sock {
             cmd.arg("--uds").arg(s);
         }
         let child = Child::spawn("kvroute-sidecar", &mut cmd, Some(&log))?;
-        let addr = wait_until(Duration::from_secs(10), || listening_addr(&log))
-            .with_context(|| format!("sidecar did not start: {}", std::fs::read_to_string(&log).unwrap_or_default()))?;
-        Ok(SidecarProc { addr, uds: sock, child, log, dir })
+        let addr =
+            wait_until(Duration::from_secs(10), || listening_addr(&log)).with_context(|| {
+                format!(
+                    "sidecar did not start: {}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                )
+            })?;
+        Ok(SidecarProc {
+            addr,
+            uds: sock,
+            child,
+            log,
+            dir,
+        })
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -107,5 +137,10 @@ impl SidecarProc {
 
 fn listening_addr(log: &Path) -> Option<SocketAddr> {
     let text = std::fs::read_to_string(log).ok()?;
-    text.lines().find_map(|l| l.strip_prefix("kvroute-sidecar: listening on ")?.trim().parse().ok())
+    text.lines().find_map(|l| {
+        l.strip_prefix("kvroute-sidecar: listening on ")?
+            .trim()
+            .parse()
+            .ok()
+    })
 }

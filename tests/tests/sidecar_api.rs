@@ -22,8 +22,18 @@ async fn routing_follows_events_and_load() {
         assert_eq!(api.register(p, M).await.status, 200);
     }
     let c = chain(M, 1, 32, 16);
-    assert_eq!(api.events(&batch("127.0.0.1:8002", M, "e1", 0, vec![stored(&c[..24])])).await.status, 200);
-    assert_eq!(api.events(&batch("127.0.0.1:8003", M, "e1", 0, vec![stored(&c[..4])])).await.status, 200);
+    assert_eq!(
+        api.events(&batch("127.0.0.1:8002", M, "e1", 0, vec![stored(&c[..24])]))
+            .await
+            .status,
+        200
+    );
+    assert_eq!(
+        api.events(&batch("127.0.0.1:8003", M, "e1", 0, vec![stored(&c[..4])]))
+            .await
+            .status,
+        200
+    );
     let r = api.route(M, &c, 16).await;
     assert_eq!(r.pod, "127.0.0.1:8002");
     assert_eq!(r.ranked[0].matched_blocks, 24);
@@ -33,13 +43,31 @@ async fn routing_follows_events_and_load() {
     let mut dry = route_req(M, &c, 16);
     dry.dry_run = true;
     assert_eq!(api.post("/v1/route", &dry).await.status, 200);
-    let l = api.get(&format!("/v1/lookup?model={M}&chain={}", c.iter().map(|h| h.to_string()).collect::<Vec<_>>().join(","))).await;
+    let l = api
+        .get(&format!(
+            "/v1/lookup?model={M}&chain={}",
+            c.iter()
+                .map(|h| h.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        ))
+        .await;
     assert_eq!(l.json["confirmed"][0]["pod"], "127.0.0.1:8002");
     assert_eq!(l.json["confirmed"][0]["matched_blocks"], 24);
     // Removal events take effect.
-    api.events(&batch("127.0.0.1:8002", M, "e1", 1, vec![removed(&c[2..24])])).await;
+    api.events(&batch(
+        "127.0.0.1:8002",
+        M,
+        "e1",
+        1,
+        vec![removed(&c[2..24])],
+    ))
+    .await;
     let r = api.route(M, &c, 16).await;
-    assert_eq!(r.pod, "127.0.0.1:8003", "8003 now holds the longer prefix (4 vs 2)");
+    assert_eq!(
+        r.pod, "127.0.0.1:8003",
+        "8003 now holds the longer prefix (4 vs 2)"
+    );
     // A cold prompt goes somewhere, and the same cold prompt to the same place (ties
     // follow the first block, so replicas agree).
     let cold = chain(M, 99, 8, 16);
@@ -55,26 +83,55 @@ async fn bad_input_is_refused_with_a_reason_and_changes_nothing() {
     let (_sc, api) = up(&[]).await;
     api.register("127.0.0.1:8001", M).await;
     let c = chain(M, 2, 8, 16);
-    api.events(&batch("127.0.0.1:8001", M, "e", 0, vec![stored(&c)])).await;
+    api.events(&batch("127.0.0.1:8001", M, "e", 0, vec![stored(&c)]))
+        .await;
     for body in [&b"{"[..], br#"{"v":1}"#, br#"{"v":1,"pod":"127.0.0.1:8001","model":"m","epoch":"e","seq":1,"events":[{"type":"removed","blocks":[1,"x"]}]}"#] {
         let r = api.post_raw("/v1/events", body).await;
         assert_eq!(r.status, 400, "{}", r.json);
         assert!(r.json["error"].as_str().is_some_and(|e| !e.is_empty()));
     }
     let r = api.post_raw("/v1/events", br#"{"v":1,"pod":"127.0.0.1:8001","model":"m","epoch":"e","seq":1,"events":[{"type":"removed","blocks":[1]},{"type":"teleported"}]}"#).await;
-    assert_eq!(r.status, 400, "an unknown event type refuses the whole batch");
-    assert_eq!(api.route(M, &c, 16).await.ranked[0].matched_blocks, 8, "index intact");
-    assert!(api.metric("kvroute_event_batches_rejected_total{reason=\"bad_json\"}").await >= 4.0);
+    assert_eq!(
+        r.status, 400,
+        "an unknown event type refuses the whole batch"
+    );
+    assert_eq!(
+        api.route(M, &c, 16).await.ranked[0].matched_blocks,
+        8,
+        "index intact"
+    );
+    assert!(
+        api.metric("kvroute_event_batches_rejected_total{reason=\"bad_json\"}")
+            .await
+            >= 4.0
+    );
     // Route input.
     let r = api.post("/v1/route", route_req(M, &c, 32)).await;
-    assert_eq!((r.status, r.json["reason"].as_str()), (400, Some("block_size_mismatch")), "{}", r.json);
+    assert_eq!(
+        (r.status, r.json["reason"].as_str()),
+        (400, Some("block_size_mismatch")),
+        "{}",
+        r.json
+    );
     assert!(r.json["error"].as_str().unwrap_or("").contains("16"));
-    let r = api.post("/v1/route", route_req("unknown-model", &c, 16)).await;
+    let r = api
+        .post("/v1/route", route_req("unknown-model", &c, 16))
+        .await;
     assert_eq!(r.status, 503, "{}", r.json);
     assert_eq!(api.post_raw("/v1/route", b"[1,2]").await.status, 400);
     // Registration input.
-    assert_eq!(api.put("/v1/pods/not-an-endpoint", json!({"model": M})).await.status, 400);
-    assert_eq!(api.put("/v1/pods/127.0.0.1:9", json!({"model": ""})).await.status, 400);
+    assert_eq!(
+        api.put("/v1/pods/not-an-endpoint", json!({"model": M}))
+            .await
+            .status,
+        400
+    );
+    assert_eq!(
+        api.put("/v1/pods/127.0.0.1:9", json!({"model": ""}))
+            .await
+            .status,
+        400
+    );
 }
 
 #[tokio::test]
@@ -88,12 +145,25 @@ async fn config_is_validated_versioned_and_round_trips() {
     assert_eq!(r.status, 200, "{}", r.json);
     assert_eq!(r.json["version"].as_u64(), Some(v0 + 1));
     // Every problem listed; the old config keeps serving.
-    let r = api.put("/v1/config", json!({"prefill_weight": -1, "stale_factor": 0, "default_model": {"block_size": 0}})).await;
+    let r = api
+        .put(
+            "/v1/config",
+            json!({"prefill_weight": -1, "stale_factor": 0, "default_model": {"block_size": 0}}),
+        )
+        .await;
     assert_eq!(r.status, 400);
-    assert_eq!(r.json["problems"].as_array().map(|a| a.len()), Some(3), "{}", r.json);
+    assert_eq!(
+        r.json["problems"].as_array().map(|a| a.len()),
+        Some(3),
+        "{}",
+        r.json
+    );
     let r = api.put("/v1/config", json!({"load_wieght": 1})).await;
     assert_eq!(r.status, 400, "typos are refused: {}", r.json);
-    assert_eq!(api.get("/v1/config").await.json["version"].as_u64(), Some(v0 + 1));
+    assert_eq!(
+        api.get("/v1/config").await.json["version"].as_u64(),
+        Some(v0 + 1)
+    );
     // A stale version is a conflict.
     let mut stale: PolicyConfig = serde_json::from_value(cur.json.clone()).expect("config");
     stale.explain = true;
@@ -103,7 +173,9 @@ async fn config_is_validated_versioned_and_round_trips() {
     assert_eq!(r.status, 200);
     // Explain is now on: route answers carry the breakdown.
     api.register("127.0.0.1:8001", M).await;
-    let r = api.post("/v1/route", route_req(M, &chain(M, 3, 4, 16), 16)).await;
+    let r = api
+        .post("/v1/route", route_req(M, &chain(M, 3, 4, 16), 16))
+        .await;
     assert!(r.json["explain"].is_array(), "{}", r.json);
     assert_eq!(api.metric("kvroute_config_version").await as u64, v0 + 2);
     assert!(api.metric("kvroute_config_rejected_total").await >= 3.0);
@@ -115,7 +187,8 @@ async fn removed_pods_are_never_chosen_and_the_257th_is_refused() {
     api.register("127.0.0.1:8001", M).await;
     api.register("127.0.0.1:8002", M).await;
     let c = chain(M, 4, 16, 16);
-    api.events(&batch("127.0.0.1:8001", M, "e", 0, vec![stored(&c)])).await;
+    api.events(&batch("127.0.0.1:8001", M, "e", 0, vec![stored(&c)]))
+        .await;
     assert_eq!(api.route(M, &c, 16).await.pod, "127.0.0.1:8001");
     assert_eq!(api.delete("/v1/pods/127.0.0.1:8001").await.status, 204);
     for _ in 0..20 {
@@ -125,17 +198,25 @@ async fn removed_pods_are_never_chosen_and_the_257th_is_refused() {
     }
     assert_eq!(api.delete("/v1/pods/127.0.0.1:8001").await.status, 404);
     // Shutdown events remove too.
-    api.events(&batch("127.0.0.1:8002", M, "e", 0, vec![Event::Shutdown])).await;
-    assert_eq!(api.post("/v1/route", route_req(M, &c, 16)).await.status, 503);
+    api.events(&batch("127.0.0.1:8002", M, "e", 0, vec![Event::Shutdown]))
+        .await;
+    assert_eq!(
+        api.post("/v1/route", route_req(M, &c, 16)).await.status,
+        503
+    );
     // 256 pods fit; the 257th gets a clear error.
     for i in 0..256 {
-        let r = api.register(&format!("10.1.{}.{}:8000", i / 200, i % 200), "big").await;
+        let r = api
+            .register(&format!("10.1.{}.{}:8000", i / 200, i % 200), "big")
+            .await;
         assert_eq!(r.status, 200, "pod {i}: {}", r.json);
     }
     let r = api.register("10.9.9.9:8000", "big").await;
     assert_eq!(r.status, 409, "{}", r.json);
     assert!(r.json["error"].as_str().unwrap_or("").contains("256"));
-    let r = api.events(&batch("10.9.9.8:8000", "big", "e", 0, vec![stored(&[1])])).await;
+    let r = api
+        .events(&batch("10.9.9.8:8000", "big", "e", 0, vec![stored(&[1])]))
+        .await;
     assert_eq!(r.status, 422, "{}", r.json);
     assert!(api.metric("kvroute_pods_refused_total").await >= 2.0);
 }
@@ -145,21 +226,49 @@ async fn epochs_duplicates_gaps_and_tiers() {
     let (_sc, api) = up(&[]).await;
     let pod = "127.0.0.1:8001";
     let c = chain(M, 5, 16, 16);
-    assert_eq!(api.events(&batch(pod, M, "a", 0, vec![stored(&c)])).await.status, 200, "first sight registers the pod");
+    assert_eq!(
+        api.events(&batch(pod, M, "a", 0, vec![stored(&c)]))
+            .await
+            .status,
+        200,
+        "first sight registers the pod"
+    );
     let dup = api.events(&batch(pod, M, "a", 0, vec![removed(&c)])).await;
     assert_eq!(dup.json["duplicate"], true, "a replayed seq is ignored");
     assert_eq!(api.route(M, &c, 16).await.ranked[0].matched_blocks, 16);
     // Engine restart: new epoch, old blocks gone at once.
-    let r = api.events(&batch(pod, M, "b", 0, vec![stored(&c[..3])])).await;
+    let r = api
+        .events(&batch(pod, M, "b", 0, vec![stored(&c[..3])]))
+        .await;
     assert_eq!(r.json["restarted"], true);
     assert_eq!(api.route(M, &c, 16).await.ranked[0].matched_blocks, 3);
     // A gap without a dump URL: blocks dropped, rebuilt from live events.
-    let r = api.events(&batch(pod, M, "b", 5, vec![stored(&c[..2])])).await;
+    let r = api
+        .events(&batch(pod, M, "b", 5, vec![stored(&c[..2])]))
+        .await;
     assert_eq!(r.json["gap"], true);
     let routed = api.route(M, &c, 16).await;
-    assert_eq!(routed.ranked[0].matched_blocks, 2, "only what came after the gap");
+    assert_eq!(
+        routed.ranked[0].matched_blocks, 2,
+        "only what came after the gap"
+    );
     // Tiers: offloaded copies keep a block routable after GPU eviction.
-    api.events(&batch(pod, M, "b", 6, vec![Event::Stored { tier: Tier::Cpu, parent: None, blocks: c[..2].to_vec(), tokens: None }, removed(&c[1..2])])).await;
+    api.events(&batch(
+        pod,
+        M,
+        "b",
+        6,
+        vec![
+            Event::Stored {
+                tier: Tier::Cpu,
+                parent: None,
+                blocks: c[..2].to_vec(),
+                tokens: None,
+            },
+            removed(&c[1..2]),
+        ],
+    ))
+    .await;
     let r = api.route(M, &c, 16).await;
     assert_eq!(r.ranked[0].matched_blocks, 2);
     let t = r.tier_hint.expect("hint");
@@ -172,14 +281,23 @@ async fn epochs_duplicates_gaps_and_tiers() {
 #[tokio::test]
 async fn reports_release_load_and_bounded_load_spreads_a_hot_prefix() {
     let (_sc, api) = up(&[]).await;
-    let pods = ["127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003", "127.0.0.1:8004"];
+    let pods = [
+        "127.0.0.1:8001",
+        "127.0.0.1:8002",
+        "127.0.0.1:8003",
+        "127.0.0.1:8004",
+    ];
     for p in pods {
         api.register(p, M).await;
     }
     // Every pod's engine reports events (so nothing is predicted); one holds the prefix.
     let sys = chain(M, 6, 64, 16);
     for (i, p) in pods.iter().enumerate() {
-        let ev = if i == 0 { vec![stored(&sys)] } else { vec![stored(&chain(M, 100 + i as u32, 1, 16))] };
+        let ev = if i == 0 {
+            vec![stored(&sys)]
+        } else {
+            vec![stored(&chain(M, 100 + i as u32, 1, 16))]
+        };
         api.events(&batch(p, M, "e", 0, ev)).await;
     }
     // 40 concurrent requests share the prefix and nobody reports back yet.
@@ -188,10 +306,15 @@ async fn reports_release_load_and_bounded_load_spreads_a_hot_prefix() {
         let mut r = route_req(M, &sys, 16);
         r.request_id = Some(format!("r{i}"));
         let resp = api.post("/v1/route", &r).await;
-        *counts.entry(resp.json["pod"].as_str().unwrap_or("").to_string()).or_insert(0) += 1;
+        *counts
+            .entry(resp.json["pod"].as_str().unwrap_or("").to_string())
+            .or_insert(0) += 1;
     }
     let max = *counts.values().max().unwrap_or(&0);
-    assert!(max <= 14, "bounded load keeps the hot pod near its share: {counts:?}");
+    assert!(
+        max <= 14,
+        "bounded load keeps the hot pod near its share: {counts:?}"
+    );
     assert_eq!(counts.len(), 4, "{counts:?}");
     assert_eq!(api.metric("kvroute_inflight_decisions").await, 40.0);
     // Reports release it.
@@ -224,7 +347,11 @@ async fn the_unix_socket_is_not_world_writable_and_serves_routes() {
     use std::os::unix::fs::PermissionsExt;
     let sc = SidecarProc::start(&["--admin-token", "t"], true).expect("sidecar");
     let sock = sc.uds.clone().expect("socket");
-    let mode = std::fs::metadata(&sock).expect("socket exists").permissions().mode() & 0o777;
+    let mode = std::fs::metadata(&sock)
+        .expect("socket exists")
+        .permissions()
+        .mode()
+        & 0o777;
     assert_eq!(mode & 0o002, 0, "mode {mode:o}");
     // Plain HTTP/1.1 over the socket, no token needed there.
     use std::io::{Read, Write};
@@ -233,7 +360,10 @@ async fn the_unix_socket_is_not_world_writable_and_serves_routes() {
     write!(s, "POST /v1/route HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).expect("write");
     let mut out = String::new();
     s.read_to_string(&mut out).expect("read");
-    assert!(out.starts_with("HTTP/1.1 503"), "no pod yet, but authorized: {out}");
+    assert!(
+        out.starts_with("HTTP/1.1 503"),
+        "no pod yet, but authorized: {out}"
+    );
     // A world-writable mode is refused at start.
     assert!(SidecarProc::start(&["--uds-mode", "666"], true).is_err());
 }
@@ -242,6 +372,11 @@ async fn the_unix_socket_is_not_world_writable_and_serves_routes() {
 async fn sigterm_shuts_down_gracefully() {
     let (mut sc, api) = up(&[]).await;
     assert_eq!(api.get("/healthz").await.status, 200);
-    assert_eq!(sc.terminate(), Some(0), "clean exit on SIGTERM: {}", sc.log());
+    assert_eq!(
+        sc.terminate(),
+        Some(0),
+        "clean exit on SIGTERM: {}",
+        sc.log()
+    );
     assert!(sc.log().contains("shutting down"));
 }

@@ -1,0 +1,271 @@
+//! Event ingestion over a real nats-server: events reach the index, restarts and gaps are
+//! handled (resync from a pod's dump), duplicates are no-ops, and a NATS outage degrades
+//! readiness without stopping the service, which reconnects and keeps ingesting.
+
+use std::time::Duration;
+
+use kvroute_shared::protocol::EventBatch;
+use kvroute_tests::client::{batch, chain, stored, Api};
+use kvroute_tests::services::{Nats, SidecarProc};
+
+const M: &str = "m";
+
+async fn publish(nc: &async_nats::Client, b: &EventBatch) {
+    let subject = format!(
+        "kvroute.events.{}.{}",
+        b.model,
+        b.pod.replace(['.', ':'], "_")
+    );
+    nc.publish(subject, b.encode().into())
+        .await
+        .expect("publish");
+    nc.flush().await.expect("flush");
+}
+
+async fn matched(api: &Api, c: &[u64]) -> u32 {
+    let mut r = kvroute_tests::client::route_req(M, c, 16);
+    r.dry_run = true;
+    let resp = api.post("/v1/route", &r).await;
+    resp.json["ranked"][0]["matched_blocks"]
+        .as_u64()
+        .unwrap_or(0) as u32
+}
+
+async fn eventually(mut f: impl FnMut() -> futures::future::BoxFuture<'static, bool>, what: &str) {
+    for _ in 0..200 {
+        if f().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("timed out waiting for: {what}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_over_nats_drive_the_index() {
+    let nats = Nats::start().expect("nats");
+    let sc = SidecarProc::start(&["--nats", &nats.url()], false).expect("sidecar");
+    let api = Api::new(sc.addr);
+    let nc = async_nats::connect(nats.url()).await.expect("client");
+    let pod = "127.0.0.1:8001";
+    let c = chain(M, 1, 20, 16);
+    eventually(
+        || {
+            let a = api.clone();
+            Box::pin(async move { a.metric("kvroute_nats_connected").await == 1.0 })
+        },
+        "nats connected",
+    )
+    .await;
+    // Core NATS has no replay: wait for the subscription before the first publish.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    publish(&nc, &batch(pod, M, "e1", 0, vec![stored(&c[..12])])).await;
+    let a = api.clone();
+    let c2 = c.clone();
+    eventually(
+        move || {
+            let (a, c) = (a.clone(), c2.clone());
+            Box::pin(async move { matched(&a, &c).await == 12 })
+        },
+        "12 blocks indexed",
+    )
+    .await;
+    // Duplicate: no-op.
+    publish(
+        &nc,
+        &batch(pod, M, "e1", 0, vec![kvroute_tests::client::removed(&c)]),
+    )
+    .await;
+    publish(&nc, &batch(pod, M, "e1", 1, vec![stored(&c[12..14])])).await;
+    let (a, c2) = (api.clone(), c.clone());
+    eventually(
+        move || {
+            let (a, c) = (a.clone(), c2.clone());
+            Box::pin(async move { matched(&a, &c).await == 14 })
+        },
+        "duplicate ignored, next applied",
+    )
+    .await;
+    // Malformed messages are counted and do not stall the subscription.
+    nc.publish("kvroute.events.m.x", "{garbage".into())
+        .await
+        .expect("publish");
+    // Restart: a new epoch drops the old blocks at once.
+    publish(&nc, &batch(pod, M, "e2", 0, vec![stored(&c[..1])])).await;
+    let (a, c2) = (api.clone(), c.clone());
+    eventually(
+        move || {
+            let (a, c) = (a.clone(), c2.clone());
+            Box::pin(async move { matched(&a, &c).await == 1 })
+        },
+        "restart dropped old blocks",
+    )
+    .await;
+    assert!(
+        api.metric("kvroute_event_batches_rejected_total{reason=\"bad_json\"}")
+            .await
+            >= 1.0
+    );
+    assert_eq!(api.metric("kvroute_event_duplicates_total").await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_marks_stale_and_resyncs_from_the_dump() {
+    let nats = Nats::start().expect("nats");
+    let sc = SidecarProc::start(&["--nats", &nats.url()], false).expect("sidecar");
+    let api = Api::new(sc.addr);
+    let nc = async_nats::connect(nats.url()).await.expect("client");
+    let c = chain(M, 2, 16, 16);
+    // A pod that serves its whole cache as a dump.
+    let dump = batch("127.0.0.1:8001", M, "e1", 9, vec![stored(&c)]);
+    let body = dump.encode();
+    let app = axum::Router::new().route(
+        "/dump",
+        axum::routing::get(move || {
+            let b = body.clone();
+            async move { b }
+        }),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let dump_addr = l.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(l, app).await });
+    let r = api
+        .put(
+            "/v1/pods/127.0.0.1:8001",
+            serde_json::json!({"model": M, "dump_url": format!("http://{dump_addr}/dump")}),
+        )
+        .await;
+    assert_eq!(r.status, 200);
+    eventually(
+        || {
+            let a = api.clone();
+            Box::pin(async move { a.metric("kvroute_nats_connected").await == 1.0 })
+        },
+        "nats connected",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    publish(
+        &nc,
+        &batch("127.0.0.1:8001", M, "e1", 0, vec![stored(&c[..2])]),
+    )
+    .await;
+    // Batches 1..8 are lost; 9 arrives: gap → stale → dump fetched → full state, stale cleared.
+    publish(&nc, &batch("127.0.0.1:8001", M, "e1", 9, vec![])).await;
+    let (a, c2) = (api.clone(), c.clone());
+    eventually(
+        move || {
+            let (a, c) = (a.clone(), c2.clone());
+            Box::pin(async move { matched(&a, &c).await == 16 })
+        },
+        "resynced from dump",
+    )
+    .await;
+    let p = api.get("/v1/pods/127.0.0.1:8001").await;
+    assert_eq!(p.json["stale"], false, "{}", p.json);
+    assert_eq!(api.metric("kvroute_resyncs_total{how=\"dump\"}").await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_down_degrades_then_recovers() {
+    let mut nats = Nats::start().expect("nats");
+    let sc = SidecarProc::start(&["--nats", &nats.url()], false).expect("sidecar");
+    let api = Api::new(sc.addr);
+    eventually(
+        || {
+            let a = api.clone();
+            Box::pin(async move { a.get("/readyz").await.status == 200 })
+        },
+        "ready",
+    )
+    .await;
+    nats.stop();
+    eventually(
+        || {
+            let a = api.clone();
+            Box::pin(async move { a.get("/readyz").await.status == 503 })
+        },
+        "degraded",
+    )
+    .await;
+    // Still serving: HTTP ingestion and routing work while NATS is down.
+    let c = chain(M, 3, 4, 16);
+    assert_eq!(
+        api.events(&batch("127.0.0.1:8001", M, "e", 0, vec![stored(&c)]))
+            .await
+            .status,
+        200
+    );
+    assert_eq!(matched(&api, &c).await, 4);
+    nats.restart().expect("nats back");
+    eventually(
+        || {
+            let a = api.clone();
+            Box::pin(async move { a.get("/readyz").await.status == 200 })
+        },
+        "reconnected",
+    )
+    .await;
+    let nc = async_nats::connect(nats.url()).await.expect("client");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let c2 = chain(M, 4, 6, 16);
+    publish(&nc, &batch("127.0.0.1:8002", M, "e", 0, vec![stored(&c2)])).await;
+    let a = api.clone();
+    eventually(
+        move || {
+            let (a, c) = (a.clone(), c2.clone());
+            Box::pin(async move { matched(&a, &c).await == 6 })
+        },
+        "ingesting after reconnect",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_down_at_start_is_not_fatal() {
+    let port = kvroute_tests::procs::free_port();
+    let sc = SidecarProc::start(&["--nats", &format!("nats://127.0.0.1:{port}")], false)
+        .expect("starts without nats");
+    let api = Api::new(sc.addr);
+    assert_eq!(api.get("/healthz").await.status, 200);
+    assert_eq!(api.get("/readyz").await.status, 503);
+    let reason = api.get("/readyz").await.json;
+    assert_eq!(reason["degraded"], "nats disconnected");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_pods_are_removed_after_the_liveness_timeout() {
+    let (_sc, api) = {
+        let sc = SidecarProc::start(&[], false).expect("sidecar");
+        let api = Api::new(sc.addr);
+        (sc, api)
+    };
+    let mut cfg = api.get("/v1/config").await.json;
+    cfg["liveness_timeout_s"] = serde_json::json!(1);
+    assert_eq!(api.put("/v1/config", &cfg).await.status, 200);
+    let c = chain(M, 5, 4, 16);
+    api.events(&batch("127.0.0.1:8001", M, "e", 0, vec![stored(&c)]))
+        .await;
+    api.register("127.0.0.1:8002", M).await; // never speaks: predicted-mode pod, kept
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let pods = api.get("/v1/pods").await.json;
+    let names: Vec<&str> = pods["pods"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|p| p["pod"].as_str()).collect())
+        .unwrap_or_default();
+    assert_eq!(
+        names,
+        ["127.0.0.1:8002"],
+        "the silent event-publishing pod is gone"
+    );
+    assert_eq!(
+        api.metric("kvroute_pods_removed_total{reason=\"liveness\"}")
+            .await,
+        1.0
+    );
+    for _ in 0..10 {
+        assert_eq!(api.route(M, &c, 16).await.pod, "127.0.0.1:8002");
+    }
+}
