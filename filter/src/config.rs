@@ -61,6 +61,8 @@ pub struct FilterConfig {
     pub debug_headers: bool,
     /// Bytes of a response body's tail kept to find `usage` in.
     pub usage_window_bytes: usize,
+    /// Chains longer than this go to the sidecar in the compact binary form.
+    pub binary_above_blocks: usize,
 }
 
 impl Default for FilterConfig {
@@ -82,6 +84,7 @@ impl Default for FilterConfig {
             report: true,
             debug_headers: false,
             usage_window_bytes: 16 << 10,
+            binary_above_blocks: 512,
         }
     }
 }

@@ -309,11 +309,16 @@ impl HttpContext for Http {
             }
         };
         drop(body);
+        let content_type = if prepared.binary {
+            kvroute_shared::protocol::ROUTE_BINARY_CONTENT_TYPE
+        } else {
+            "application/json"
+        };
         let headers = vec![
             (":method", "POST"),
             (":path", sh.cfg.route_path.as_str()),
             (":authority", sh.cfg.sidecar_authority.as_str()),
-            ("content-type", "application/json"),
+            ("content-type", content_type),
         ];
         let timeout = Duration::from_millis(sh.cfg.timeout_ms);
         match hostcalls::dispatch_http_call(

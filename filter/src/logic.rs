@@ -69,6 +69,8 @@ pub struct Prepared {
     pub blocks: usize,
     pub prompt_tokens: u32,
     pub route_body: Vec<u8>,
+    /// The body is the compact binary form (long chains), not JSON.
+    pub binary: bool,
 }
 
 /// Parse and chain a whole request body.
@@ -113,12 +115,18 @@ pub fn prepare(
         role: None,
         dry_run: false,
     };
-    let route_body = serde_json::to_vec(&route).map_err(|_| Skip::BadAnswer)?;
+    let binary = blocks > cfg.binary_above_blocks;
+    let route_body = if binary {
+        route.encode_binary()
+    } else {
+        serde_json::to_vec(&route).map_err(|_| Skip::BadAnswer)?
+    };
     Ok(Prepared {
         model: route.model,
         blocks,
         prompt_tokens,
         route_body,
+        binary,
     })
 }
 
@@ -130,21 +138,7 @@ pub struct Steer {
     pub matched_blocks: u32,
 }
 
-/// `host:port` with a plausible host: the only shape we put into a steering header.
-/// Envoy's override-host policy falls back for hosts outside the cluster anyway; this
-/// keeps garbage (and header injection) out of the request.
-pub fn valid_endpoint(s: &str) -> bool {
-    let Some((host, port)) = s.rsplit_once(':') else {
-        return false;
-    };
-    let port_ok = !port.is_empty() && port.len() <= 5 && port.bytes().all(|b| b.is_ascii_digit());
-    let host_ok = !host.is_empty()
-        && host.len() <= 253
-        && host.bytes().all(|b| {
-            b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_' | b':' | b'[' | b']')
-        });
-    port_ok && host_ok
-}
+pub use kvroute_shared::protocol::valid_endpoint;
 
 /// Judge the callout's answer (`status` from the `:status` pseudo-header).
 pub fn interpret(status: Option<&str>, body: Option<&[u8]>) -> Result<Steer, Skip> {
@@ -223,6 +217,17 @@ mod tests {
         assert_eq!((r.block_size, r.prompt_tokens, p.blocks), (4, 10, 2));
         assert_eq!(r.request_id.as_deref(), Some("r1"));
         assert_eq!(r.session.as_deref(), Some("u1"));
+    }
+
+    #[test]
+    fn long_chains_use_the_binary_body() {
+        let mut c = cfg();
+        c.binary_above_blocks = 1;
+        let body = br#"{"model":"m","prompt":[0,1,2,3,4,5,6,7,8,9]}"#;
+        let p = prepare(&c, "/v1/completions", body, None, None).expect("prepared");
+        assert!(p.binary);
+        let r = RouteRequest::decode_binary(&p.route_body).expect("binary");
+        assert_eq!(r.chain, [12505186680924831797, 7943115681171077851]);
     }
 
     #[test]

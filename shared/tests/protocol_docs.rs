@@ -136,3 +136,31 @@ fn batches_round_trip_and_bad_ones_say_why() {
     .expect_err("unknown type");
     assert!(unknown.to_string().contains("unknown variant"), "{unknown}");
 }
+
+#[test]
+fn binary_route_body_round_trips_and_refuses_garbage() {
+    let r = RouteRequest {
+        model: "m".into(),
+        adapter: String::new(),
+        mode: kvroute_shared::Mode::Tokens,
+        block_size: 16,
+        chain: (0..1000u64)
+            .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+            .collect(),
+        prompt_tokens: 16_000,
+        request_id: Some("r".into()),
+        session: None,
+        role: None,
+        dry_run: false,
+    };
+    let b = r.encode_binary();
+    assert!(b.len() < 8_200 + 200);
+    assert_eq!(RouteRequest::decode_binary(&b), Ok(r));
+    for bad in [
+        &b[..2],
+        &b[..b.len() - 3],
+        &[255u8, 255, 255, 255, b'{'][..],
+    ] {
+        assert!(RouteRequest::decode_binary(bad).is_err());
+    }
+}

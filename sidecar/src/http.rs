@@ -108,8 +108,17 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8], what: &str) -> Result<T, R
     })
 }
 
-async fn route_h(State(api): State<Api>, body: Bytes) -> Response {
-    let req: RouteRequest = match parse(&body, "route request") {
+async fn route_h(State(api): State<Api>, headers: HeaderMap, body: Bytes) -> Response {
+    let binary = headers
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with(kvroute_shared::protocol::ROUTE_BINARY_CONTENT_TYPE));
+    let parsed = if binary {
+        RouteRequest::decode_binary(&body).map_err(|e| err(StatusCode::BAD_REQUEST, "bad_body", e))
+    } else {
+        parse(&body, "route request")
+    };
+    let req: RouteRequest = match parsed {
         Ok(r) => r,
         Err(resp) => {
             api.sc.metrics.route_errors.inc("bad_json", 1);

@@ -244,15 +244,4 @@ impl Sidecar {
     }
 }
 
-/// `host:port` (what Envoy's override-host header carries).
-pub fn valid_pod_id(s: &str) -> bool {
-    let Some((host, port)) = s.rsplit_once(':') else {
-        return false;
-    };
-    !host.is_empty()
-        && host.len() <= 253
-        && host.bytes().all(|b| {
-            b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_' | b':' | b'[' | b']')
-        })
-        && port.parse::<u16>().is_ok()
-}
+pub use kvroute_shared::protocol::valid_endpoint as valid_pod_id;

@@ -120,9 +120,14 @@ pub fn free_port() -> u16 {
 
 /// Path of a workspace binary built by cargo (tests run from the crate dir).
 pub fn workspace_bin(name: &str) -> std::path::PathBuf {
-    let profile_dir = std::env::current_exe()
-        .ok()
-        .and_then(|p| p.parent().and_then(|d| d.parent()).map(|d| d.to_path_buf()))
+    // Test executables live in target/<profile>/deps, binaries in target/<profile>.
+    let exe = std::env::current_exe().unwrap_or_default();
+    let mut dir = exe
+        .parent()
+        .map(|d| d.to_path_buf())
         .unwrap_or_else(|| "target/debug".into());
-    profile_dir.join(name)
+    if dir.file_name().is_some_and(|n| n == "deps") {
+        dir.pop();
+    }
+    dir.join(name)
 }

@@ -30,6 +30,17 @@ enum Cmd {
         #[arg(long, default_value_t = 200_000)]
         lookups: usize,
     },
+    /// Route decisions per second over the sidecar's Unix socket and TCP.
+    Route {
+        #[arg(long, default_value_t = 8)]
+        clients: usize,
+        #[arg(long, default_value_t = 3.0)]
+        seconds: f64,
+        #[arg(long, default_value_t = 128)]
+        chain_blocks: usize,
+        #[arg(long, default_value_t = 16)]
+        pods: usize,
+    },
     /// Replay a Mooncake-format trace through the index (and the radix baseline).
     Trace {
         /// Trace file (default: ../shared/data/mooncake_synthetic_trace.jsonl).
@@ -58,6 +69,23 @@ fn main() -> anyhow::Result<()> {
             lookups,
             seed: 7,
         }),
+        Cmd::Route {
+            clients,
+            seconds,
+            chain_blocks,
+            pods,
+        } => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?;
+            rt.block_on(bench::route::run(&bench::route::Opts {
+                clients,
+                seconds,
+                chain_blocks,
+                pods,
+            }))?
+        }
         Cmd::Trace {
             file,
             pods,

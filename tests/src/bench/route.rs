@@ -1,0 +1,270 @@
+//! `kvroute-bench route`: route decisions per second against the real sidecar binary,
+//! over its Unix socket (the filter's path) and over TCP, with concurrent clients on
+//! keep-alive connections; then p50/p99 latency at half the measured rate. 16 pods, a
+//! preloaded index, 128-block chains. Client and sidecar share the machine's two cores,
+//! as a gateway and its sidecar do.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1::SendRequest;
+use hyper_util::rt::TokioIo;
+use kvroute_shared::protocol::{RouteRequest, Tier};
+use serde_json::json;
+
+use super::{Rng, Samples};
+use crate::client::{batch, chain, Api};
+use crate::services::SidecarProc;
+
+pub struct Opts {
+    pub clients: usize,
+    pub seconds: f64,
+    pub chain_blocks: usize,
+    pub pods: usize,
+}
+
+enum Target {
+    Uds(std::path::PathBuf),
+    Tcp(std::net::SocketAddr),
+}
+
+async fn conn(t: &Target) -> anyhow::Result<SendRequest<Full<Bytes>>> {
+    match t {
+        Target::Uds(p) => {
+            let s = tokio::net::UnixStream::connect(p).await?;
+            let (sender, c) = hyper::client::conn::http1::handshake(TokioIo::new(s)).await?;
+            tokio::spawn(async move {
+                let _ = c.await;
+            });
+            Ok(sender)
+        }
+        Target::Tcp(a) => {
+            let s = tokio::net::TcpStream::connect(a).await?;
+            s.set_nodelay(true)?;
+            let (sender, c) = hyper::client::conn::http1::handshake(TokioIo::new(s)).await?;
+            tokio::spawn(async move {
+                let _ = c.await;
+            });
+            Ok(sender)
+        }
+    }
+}
+
+async fn one(s: &mut SendRequest<Full<Bytes>>, body: Bytes) -> anyhow::Result<u16> {
+    let req = hyper::Request::post("/v1/route")
+        .header("host", "kvroute-sidecar")
+        .header("content-type", "application/json")
+        .body(Full::new(body))?;
+    let resp = s.send_request(req).await?;
+    let status = resp.status().as_u16();
+    let _ = resp.into_body().collect().await?;
+    Ok(status)
+}
+
+/// Run `clients` loops for `dur`; each paced to `rate_per_client` if given. Returns
+/// (requests completed, latency samples, errors).
+async fn drive(
+    t: Arc<Target>,
+    bodies: Arc<Vec<Bytes>>,
+    clients: usize,
+    dur: Duration,
+    rate_per_client: Option<f64>,
+) -> (u64, Samples, u64) {
+    let done = Arc::new(AtomicU64::new(0));
+    let errors = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut handles = Vec::new();
+    for c in 0..clients {
+        let (t, bodies, done, errors, stop) = (
+            t.clone(),
+            bodies.clone(),
+            done.clone(),
+            errors.clone(),
+            stop.clone(),
+        );
+        handles.push(tokio::spawn(async move {
+            let mut samples = Samples::default();
+            let Ok(mut s) = conn(&t).await else {
+                errors.fetch_add(1, Ordering::Relaxed);
+                return samples;
+            };
+            let mut rng = Rng(c as u64 + 1);
+            let start = Instant::now();
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                if let Some(r) = rate_per_client {
+                    let due = start + Duration::from_secs_f64(i as f64 / r);
+                    tokio::time::sleep_until(due.into()).await;
+                }
+                let body = bodies[rng.below(bodies.len())].clone();
+                let t0 = Instant::now();
+                match one(&mut s, body).await {
+                    Ok(200) => {
+                        samples.push(t0.elapsed().as_nanos() as u64);
+                        done.fetch_add(1, Ordering::Relaxed);
+                    }
+                    _ => {
+                        errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                i += 1;
+            }
+            samples
+        }));
+    }
+    tokio::time::sleep(dur).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut all = Samples::default();
+    for h in handles {
+        if let Ok(s) = h.await {
+            all.0.extend(s.0);
+        }
+    }
+    (
+        done.load(Ordering::Relaxed),
+        all,
+        errors.load(Ordering::Relaxed),
+    )
+}
+
+pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
+    println!(
+        "kvroute-bench route: {} pods, {}-block chains, {} clients, {:.0}s per phase",
+        o.pods, o.chain_blocks, o.clients, o.seconds
+    );
+    let sc = SidecarProc::start(&[], true)?;
+    let api = Api::new(sc.addr);
+    let model = "bench";
+    // Preload: 2,000 prompts of `chain_blocks`, each cached on one pod (plus a shorter
+    // copy on the next), published as events.
+    let pods: Vec<String> = (0..o.pods)
+        .map(|p| format!("10.0.0.{}:8000", p + 1))
+        .collect();
+    for p in &pods {
+        api.register(p, model).await;
+    }
+    let prompts: Vec<Vec<u64>> = (0..2000)
+        .map(|i| chain(model, i, o.chain_blocks, 16))
+        .collect();
+    for (i, c) in prompts.iter().enumerate() {
+        let p = &pods[i % pods.len()];
+        let q = &pods[(i + 1) % pods.len()];
+        let ev = kvroute_shared::protocol::Event::Stored {
+            tier: Tier::Gpu,
+            parent: None,
+            blocks: c.clone(),
+            tokens: None,
+        };
+        api.events(&batch(p, model, "e", i as u64, vec![ev])).await;
+        let half = kvroute_shared::protocol::Event::Stored {
+            tier: Tier::Gpu,
+            parent: None,
+            blocks: c[..c.len() / 2].to_vec(),
+            tokens: None,
+        };
+        api.events(&batch(q, model, "e", 10_000 + i as u64, vec![half]))
+            .await;
+    }
+    // Mostly prompts seen before (hits), some new ones (misses).
+    let bodies: Vec<Bytes> = (0..4000u32)
+        .map(|i| {
+            let c = if i % 4 == 3 {
+                chain(model, 1_000_000 + i, o.chain_blocks, 16)
+            } else {
+                prompts[(i as usize * 7) % prompts.len()].clone()
+            };
+            let r = RouteRequest {
+                model: model.into(),
+                adapter: String::new(),
+                mode: kvroute_shared::Mode::Tokens,
+                block_size: 16,
+                chain: c,
+                prompt_tokens: o.chain_blocks as u32 * 16,
+                request_id: Some(format!("b{i}")),
+                session: None,
+                role: None,
+                dry_run: true,
+            };
+            Bytes::from(serde_json::to_vec(&r).unwrap_or_default())
+        })
+        .collect();
+    let body_bytes = bodies[0].len();
+    let bodies = Arc::new(bodies);
+    let dur = Duration::from_secs_f64(o.seconds);
+    let mut out = json!({"pods": o.pods, "chain_blocks": o.chain_blocks, "clients": o.clients, "body_bytes": body_bytes});
+    let uds = sc.uds.clone().ok_or_else(|| anyhow::anyhow!("no socket"))?;
+    for (name, target) in [("uds", Target::Uds(uds)), ("tcp", Target::Tcp(sc.addr))] {
+        let t = Arc::new(target);
+        // Warm up, then saturate.
+        let _ = drive(
+            t.clone(),
+            bodies.clone(),
+            o.clients,
+            Duration::from_millis(300),
+            None,
+        )
+        .await;
+        let (n, mut sat, errs) = drive(t.clone(), bodies.clone(), o.clients, dur, None).await;
+        let rate = n as f64 / o.seconds;
+        let half = rate / 2.0;
+        let (hn, mut lat, herrs) = drive(
+            t.clone(),
+            bodies.clone(),
+            o.clients,
+            dur,
+            Some(half / o.clients as f64),
+        )
+        .await;
+        let (p50, p99) = (lat.pct(50.0), lat.pct(99.0));
+        println!(
+            "  {name}: {:>8.0} decisions/s saturated (p99 {} us); at half load ({:.0}/s achieved): p50 {} us, p99 {} us; errors {}",
+            rate,
+            sat.pct(99.0) / 1000,
+            hn as f64 / o.seconds,
+            p50 / 1000,
+            p99 / 1000,
+            errs + herrs
+        );
+        out[format!("{name}_decisions_per_s")] = json!(rate);
+        out[format!("{name}_half_load_p50_us")] = json!(p50 as f64 / 1e3);
+        out[format!("{name}_half_load_p99_us")] = json!(p99 as f64 / 1e3);
+        out[format!("{name}_errors")] = json!(errs + herrs);
+    }
+    // Cost of decoding a long chain as JSON (the case for a binary body).
+    let long = RouteRequest {
+        model: model.into(),
+        adapter: String::new(),
+        mode: kvroute_shared::Mode::Tokens,
+        block_size: 16,
+        chain: chain(model, 7, 8192, 16),
+        prompt_tokens: 8192 * 16,
+        request_id: None,
+        session: None,
+        role: None,
+        dry_run: false,
+    };
+    let long_json = serde_json::to_vec(&long)?;
+    let mut dec = Samples::default();
+    for _ in 0..200 {
+        let r = dec.time(|| serde_json::from_slice::<RouteRequest>(&long_json));
+        std::hint::black_box(r.ok());
+    }
+    let short_json = &bodies[0];
+    let mut dec_s = Samples::default();
+    for _ in 0..2000 {
+        let r = dec_s.time(|| serde_json::from_slice::<RouteRequest>(short_json));
+        std::hint::black_box(r.ok());
+    }
+    println!(
+        "  JSON decode: {}-block chain {:.1} us; 8192-block chain (128k tokens) {:.1} us",
+        o.chain_blocks,
+        dec_s.pct(50.0) as f64 / 1e3,
+        dec.pct(50.0) as f64 / 1e3
+    );
+    out["json_decode_chain_us"] = json!(dec_s.pct(50.0) as f64 / 1e3);
+    out["json_decode_8k_chain_us"] = json!(dec.pct(50.0) as f64 / 1e3);
+    Ok(out)
+}
