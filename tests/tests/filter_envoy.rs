@@ -336,3 +336,55 @@ async fn streams_pass_chunk_by_chunk_and_usage_is_reported() {
     });
     assert_eq!(n, Some(Some(7)));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_sidecar_over_uds_steers_by_cache_and_gets_reports() {
+    use kvroute_tests::client::{batch, stored, Api};
+    let sc = kvroute_tests::services::SidecarProc::start(&[], true).expect("sidecar");
+    let api = Api::new(sc.addr);
+    let mut pods = Vec::new();
+    for name in ["a", "b", "c"] {
+        pods.push(StubPod::start(name).await.expect("pod"));
+    }
+    for p in &pods {
+        assert_eq!(api.register(&p.addr.to_string(), "m").await.status, 200);
+    }
+    let layout = EnvoyLayout {
+        listen_port: 0,
+        sidecar: SidecarAddr::Uds(sc.uds.clone().expect("uds")),
+        engines: pods.iter().map(|p| p.addr).collect(),
+        wasm_path: kvroute_tests::wasm_path(),
+        filter_config: json!({"timeout_ms": 200, "default_model": {"block_size": 16}}),
+        with_filter: true,
+        fallback: Fallback::RoundRobin,
+        access_log: false,
+    };
+    let envoy = tokio::task::spawn_blocking(move || Envoy::start(&layout)).await.expect("join").expect("envoy");
+    // Pod b's engine says it holds the first 3 blocks of this prompt.
+    let tokens: Vec<u32> = (0..64).collect();
+    let ns = kvroute_shared::Namespace { mode: kvroute_shared::Mode::Tokens, block_size: 16, model: "m", adapter: "", cache_salt: "" };
+    let chain = ns.chain_tokens(&tokens);
+    let b = pods[1].addr.to_string();
+    api.events(&batch(&b, "m", "e", 0, vec![stored(&chain[..3])])).await;
+    let body = serde_json::to_string(&json!({"model": "m", "prompt": tokens})).expect("json");
+    let http = reqwest::Client::new();
+    for i in 0..5 {
+        let r = http
+            .post(envoy.url("/v1/completions"))
+            .header("x-request-id", format!("real-{i}"))
+            .body(body.clone())
+            .send()
+            .await
+            .expect("request");
+        assert_eq!(r.status(), 200);
+        assert_eq!(served_by(&r), "b", "the pod whose cache holds the prefix");
+    }
+    let reported = kvroute_tests::procs::wait_until(Duration::from_secs(5), || {
+        let rt = tokio::runtime::Handle::current();
+        let v = tokio::task::block_in_place(|| rt.block_on(api.metric("kvroute_reports_total")));
+        (v >= 5.0).then_some(v)
+    });
+    assert_eq!(reported, Some(5.0), "reports arrive at the sidecar");
+    assert_eq!(api.metric("kvroute_cached_tokens_total{source=\"reported\"}").await, 35.0, "5 x cached_tokens 7");
+    assert_eq!(api.metric("kvroute_inflight_decisions").await, 0.0, "reports released the load");
+}
