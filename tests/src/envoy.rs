@@ -198,7 +198,7 @@ static_resources:
 pub struct Envoy {
     pub port: u16,
     pub admin: String,
-    _child: Child,
+    pub child: Child,
     _dir: tempfile::TempDir,
 }
 
@@ -243,7 +243,7 @@ impl Envoy {
         Ok(Envoy {
             port,
             admin,
-            _child: child,
+            child,
             _dir: dir,
         })
     }

@@ -5,10 +5,13 @@
 pub mod bench;
 pub mod cache;
 pub mod client;
+pub mod demo;
+pub mod engine;
 pub mod envoy;
 pub mod procs;
 pub mod radix;
 pub mod services;
+pub mod stack;
 pub mod stub;
 pub mod workload;
 

@@ -1,0 +1,285 @@
+//! The README's main demo: a realistic workload (multi-turn chat with a shared system
+//! prompt, plus questions over shared documents) replayed through Envoy twice — with
+//! kvroute, then with plain round-robin — on the same engines, caches emptied between
+//! runs. TTFT is measured by the client (first streamed chunk); hit rate is what the
+//! engines report (`cached_tokens`).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use serde_json::{json, Value};
+
+use crate::bench::{Rng, Samples};
+
+/// One request of a session.
+#[derive(Clone, Debug)]
+pub enum Call {
+    Chat(Value),
+    Completion(Value),
+}
+
+/// Requests that must run in order (a conversation, or questions over one document).
+pub type Session = Vec<Call>;
+
+#[derive(Clone, Copy, Debug)]
+pub struct WorkloadOpts {
+    pub users: usize,
+    pub rounds: usize,
+    pub docs: usize,
+    pub questions: usize,
+    pub seed: u64,
+}
+
+impl Default for WorkloadOpts {
+    fn default() -> Self {
+        WorkloadOpts { users: 32, rounds: 5, docs: 16, questions: 8, seed: 7 }
+    }
+}
+
+const WORDS: &[&str] = &[
+    "cluster", "gateway", "latency", "cache", "prefill", "decode", "token", "pod", "router", "engine", "request",
+    "memory", "kernel", "batch", "queue", "policy", "index", "shard", "bitmap", "event", "stream", "tenant",
+    "model", "adapter", "prompt", "context", "window", "budget", "replica", "region",
+];
+
+fn words(rng: &mut Rng, n: usize) -> String {
+    (0..n).map(|_| WORDS[rng.below(WORDS.len())]).collect::<Vec<_>>().join(" ")
+}
+
+/// Build the workload: chat sessions (text, predicted residency) and document sessions
+/// (token ids, engine events), shuffled together.
+pub fn workload(o: WorkloadOpts) -> Vec<Session> {
+    let mut rng = Rng(o.seed);
+    let system = format!("You are the support assistant of the ACME platform team. {}", words(&mut rng, 700));
+    let mut sessions = Vec::new();
+    for _ in 0..o.users {
+        let mut history = vec![json!({"role": "system", "content": system})];
+        let mut s = Vec::new();
+        for _ in 0..o.rounds {
+            history.push(json!({"role": "user", "content": words(&mut rng, 40)}));
+            s.push(Call::Chat(json!({"model": "m", "messages": history.clone(), "max_tokens": 16, "stream": true,
+                                     "stream_options": {"include_usage": true}})));
+            history.push(json!({"role": "assistant", "content": words(&mut rng, 60)}));
+        }
+        sessions.push(s);
+    }
+    for _ in 0..o.docs {
+        let doc: Vec<u32> = (0..3000).map(|_| rng.below(100_000) as u32).collect();
+        let mut s = Vec::new();
+        for _ in 0..o.questions {
+            let mut p = doc.clone();
+            p.extend((0..48).map(|_| rng.below(100_000) as u32));
+            s.push(Call::Completion(json!({"model": "m", "prompt": p, "max_tokens": 16, "stream": true,
+                                           "stream_options": {"include_usage": true}})));
+        }
+        sessions.push(s);
+    }
+    // Fisher-Yates with the seeded generator.
+    for i in (1..sessions.len()).rev() {
+        let j = rng.below(i + 1);
+        sessions.swap(i, j);
+    }
+    sessions
+}
+
+/// What one request measured.
+#[derive(Clone, Debug, Default)]
+pub struct Outcome {
+    pub ok: bool,
+    pub ttft: Duration,
+    pub e2e: Duration,
+    pub pod: String,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+}
+
+async fn call(http: &reqwest::Client, base: &str, c: &Call) -> Outcome {
+    let (path, body) = match c {
+        Call::Chat(b) => ("/v1/chat/completions", b),
+        Call::Completion(b) => ("/v1/completions", b),
+    };
+    let t0 = Instant::now();
+    let Ok(resp) = http.post(format!("{base}{path}")).json(body).send().await else { return Outcome::default() };
+    let ok = resp.status().is_success();
+    let pod = resp.headers().get("x-pod").and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+    let mut resp = resp;
+    let mut ttft = None;
+    let mut buf = Vec::new();
+    while let Ok(Some(chunk)) = resp.chunk().await {
+        ttft.get_or_insert_with(|| t0.elapsed());
+        buf.extend_from_slice(&chunk);
+    }
+    let e2e = t0.elapsed();
+    let text = String::from_utf8_lossy(&buf);
+    let usage = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter(|v| v["usage"].is_object())
+        .last()
+        .map(|v| v["usage"].clone())
+        .unwrap_or(Value::Null);
+    Outcome {
+        ok,
+        ttft: ttft.unwrap_or(e2e),
+        e2e,
+        pod,
+        prompt_tokens: usage["prompt_tokens"].as_u64().unwrap_or(0),
+        cached_tokens: usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0),
+    }
+}
+
+/// Run every session through `base`, `concurrency` sessions at a time. `progress` is
+/// called after each request.
+pub async fn run(base: &str, sessions: &[Session], concurrency: usize, progress: impl Fn(usize, usize) + Send + Sync + 'static) -> Vec<Outcome> {
+    let http = reqwest::Client::new();
+    let total: usize = sessions.iter().map(|s| s.len()).sum();
+    let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let progress = Arc::new(progress);
+    let results = futures::stream::iter(sessions.iter().cloned())
+        .map(|s| {
+            let (http, base, done, progress) = (http.clone(), base.to_string(), done.clone(), progress.clone());
+            async move {
+                let mut out = Vec::new();
+                for c in &s {
+                    out.push(call(&http, &base, c).await);
+                    let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+                    progress(n, total);
+                }
+                out
+            }
+        })
+        .buffer_unordered(concurrency)
+        .collect::<Vec<_>>()
+        .await;
+    results.into_iter().flatten().collect()
+}
+
+/// The figures of one run.
+#[derive(Clone, Debug)]
+pub struct Summary {
+    pub requests: usize,
+    pub failed: usize,
+    pub hit_rate: f64,
+    pub ttft_mean_ms: f64,
+    pub ttft_p50_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub e2e_p50_ms: f64,
+    pub e2e_p99_ms: f64,
+    pub max_load_share: f64,
+    pub shares: BTreeMap<String, f64>,
+    pub ttfts_ms: Vec<f64>,
+}
+
+pub fn summarize(o: &[Outcome]) -> Summary {
+    let ok: Vec<&Outcome> = o.iter().filter(|x| x.ok).collect();
+    let mut ttft = Samples(ok.iter().map(|x| x.ttft.as_micros() as u64).collect());
+    let mut e2e = Samples(ok.iter().map(|x| x.e2e.as_micros() as u64).collect());
+    let prompt: u64 = ok.iter().map(|x| x.prompt_tokens).sum();
+    let cached: u64 = ok.iter().map(|x| x.cached_tokens).sum();
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    for x in &ok {
+        *counts.entry(x.pod.clone()).or_default() += 1;
+    }
+    let shares: BTreeMap<String, f64> = counts.iter().map(|(k, v)| (k.clone(), *v as f64 / ok.len().max(1) as f64)).collect();
+    let mut ttfts_ms: Vec<f64> = ttft.0.iter().map(|u| *u as f64 / 1e3).collect();
+    ttfts_ms.sort_by(|a, b| a.total_cmp(b));
+    Summary {
+        requests: o.len(),
+        failed: o.len() - ok.len(),
+        hit_rate: cached as f64 / prompt.max(1) as f64,
+        ttft_mean_ms: ttft.mean() / 1e3,
+        ttft_p50_ms: ttft.pct(50.0) as f64 / 1e3,
+        ttft_p99_ms: ttft.pct(99.0) as f64 / 1e3,
+        e2e_p50_ms: e2e.pct(50.0) as f64 / 1e3,
+        e2e_p99_ms: e2e.pct(99.0) as f64 / 1e3,
+        max_load_share: shares.values().copied().fold(0.0, f64::max),
+        shares,
+        ttfts_ms,
+    }
+}
+
+impl Summary {
+    pub fn json(&self) -> Value {
+        json!({"requests": self.requests, "failed": self.failed, "hit_rate": r3(self.hit_rate),
+               "ttft_mean_ms": r3(self.ttft_mean_ms), "ttft_p50_ms": r3(self.ttft_p50_ms), "ttft_p99_ms": r3(self.ttft_p99_ms),
+               "e2e_p50_ms": r3(self.e2e_p50_ms), "e2e_p99_ms": r3(self.e2e_p99_ms), "max_load_share": r3(self.max_load_share)})
+    }
+}
+
+fn r3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+pub fn table(rows: &[(&str, &Summary)]) -> String {
+    let mut s = format!(
+        "{:<12} {:>8} {:>6} {:>9} {:>10} {:>10} {:>10} {:>10} {:>10}\n",
+        "policy", "requests", "failed", "hit rate", "TTFT p50", "TTFT p99", "E2E p50", "E2E p99", "max share"
+    );
+    for (name, x) in rows {
+        s += &format!(
+            "{:<12} {:>8} {:>6} {:>8.1}% {:>8.1}ms {:>8.1}ms {:>8.1}ms {:>8.1}ms {:>9.1}%\n",
+            name,
+            x.requests,
+            x.failed,
+            x.hit_rate * 100.0,
+            x.ttft_p50_ms,
+            x.ttft_p99_ms,
+            x.e2e_p50_ms,
+            x.e2e_p99_ms,
+            x.max_load_share * 100.0
+        );
+    }
+    for (name, x) in rows {
+        let shares: Vec<String> = x.shares.iter().map(|(p, v)| format!("{p} {:.0}%", v * 100.0)).collect();
+        s += &format!("{name} load share: {}\n", shares.join(", "));
+    }
+    s
+}
+
+/// An SVG of the TTFT distributions (CDFs), one line per series.
+pub fn svg_cdf(title: &str, series: &[(&str, &[f64], &str)]) -> String {
+    let (w, h, ml, mb, mt, mr) = (720.0, 420.0, 60.0, 50.0, 40.0, 20.0);
+    let xmax = series.iter().flat_map(|s| s.1.iter().copied()).fold(1.0_f64, f64::max) * 1.05;
+    let x = |v: f64| ml + v / xmax * (w - ml - mr);
+    let y = |p: f64| h - mb - p * (h - mb - mt);
+    let mut s = format!(
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">
+<rect width="100%" height="100%" fill="white"/>
+<text x="{}" y="22" font-size="15" text-anchor="middle">{title}</text>
+<line x1="{ml}" y1="{}" x2="{}" y2="{}" stroke="black"/><line x1="{ml}" y1="{mt}" x2="{ml}" y2="{}" stroke="black"/>
+<text x="{}" y="{}" text-anchor="middle">time to first token (ms)</text>
+<text x="16" y="{}" transform="rotate(-90 16 {})" text-anchor="middle">fraction of requests</text>
+"#,
+        w / 2.0,
+        h - mb,
+        w - mr,
+        h - mb,
+        h - mb,
+        (ml + w - mr) / 2.0,
+        h - 12.0,
+        h / 2.0,
+        h / 2.0
+    );
+    for i in 0..=5 {
+        let v = xmax / 5.0 * i as f64;
+        s += &format!(r#"<text x="{:.1}" y="{}" text-anchor="middle">{v:.0}</text>"#, x(v), h - mb + 16.0);
+        let p = i as f64 / 5.0;
+        s += &format!(r#"<text x="{}" y="{:.1}" text-anchor="end">{p:.1}</text>"#, ml - 6.0, y(p) + 4.0);
+    }
+    for (k, (name, vals, color)) in series.iter().enumerate() {
+        let n = vals.len().max(1) as f64;
+        let pts: Vec<String> = vals.iter().enumerate().map(|(i, v)| format!("{:.1},{:.1}", x(*v), y((i + 1) as f64 / n))).collect();
+        s += &format!(r#"<polyline fill="none" stroke="{color}" stroke-width="2" points="{}"/>"#, pts.join(" "));
+        s += &format!(
+            r#"<rect x="{}" y="{}" width="14" height="4" fill="{color}"/><text x="{}" y="{}">{name}</text>"#,
+            w - 190.0,
+            mt + 10.0 + 18.0 * k as f64,
+            w - 170.0,
+            mt + 15.0 + 18.0 * k as f64
+        );
+    }
+    s + "</svg>\n"
+}

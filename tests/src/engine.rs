@@ -1,0 +1,422 @@
+//! `kvroute-engine-sim`: a simulated vLLM-like engine pod. Everything in front of it is
+//! real, so it behaves like an engine where routing can tell: OpenAI endpoints, a real
+//! BPE tokenizer (o200k), a paged prefix cache keyed by the kvroute token chain, prefill
+//! time proportional to uncached tokens, a FIFO queue and a batch limit, KV events with
+//! (epoch, seq), reported `cached_tokens`, and fault knobs.
+//!
+//! Cost model (shared with the routing simulator through [`CostModel`]):
+//! - prefill is serialized per pod (compute-bound): `uncached_tokens / prefill_tps`;
+//! - each decode step takes `decode_ms × (1 + 0.1 × running)` (a larger batch is slower);
+//! - at most `max_batch` requests run; the rest wait in FIFO order.
+//! All durations are multiplied by `time_scale` so demos run fast.
+//!
+//! Chat template (documented, simple): for each message
+//! `<|im_start|>{role}\n{content}<|im_end|>\n`, then `<|im_start|>assistant\n`.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use clap::Parser;
+use kvroute_shared::protocol::{Event, EventBatch, Tier};
+use kvroute_shared::{Mode, Namespace};
+use parking_lot::Mutex;
+use serde_json::{json, Value};
+
+use crate::bench::Rng;
+use crate::cache::BlockCache;
+
+#[derive(Parser, Debug, Clone)]
+#[command(name = "kvroute-engine-sim", about = "A simulated vLLM-like engine pod")]
+pub struct EngineArgs {
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// Served model name.
+    #[arg(long, default_value = "m")]
+    pub model: String,
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u32,
+    #[arg(long, default_value_t = 4096)]
+    pub capacity_blocks: usize,
+    /// Prefill throughput, tokens per second (simulated time).
+    #[arg(long, default_value_t = 8000.0)]
+    pub prefill_tps: f64,
+    /// Decode step time at batch 1, milliseconds (simulated).
+    #[arg(long, default_value_t = 20.0)]
+    pub decode_ms: f64,
+    #[arg(long, default_value_t = 8)]
+    pub max_batch: usize,
+    /// Real seconds per simulated second.
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Publish KV events to this NATS server.
+    #[arg(long)]
+    pub nats: Option<String>,
+    /// POST KV events to this sidecar base URL (http://host:port).
+    #[arg(long)]
+    pub sidecar: Option<String>,
+    /// Publish no KV events at all (predicted-mode engines).
+    #[arg(long)]
+    pub no_events: bool,
+    #[arg(long, default_value_t = 500)]
+    pub load_interval_ms: u64,
+    /// Fault knobs: fractions of event batches dropped / duplicated / delayed.
+    #[arg(long, default_value_t = 0.0)]
+    pub drop_events: f64,
+    #[arg(long, default_value_t = 0.0)]
+    pub dup_events: f64,
+    #[arg(long, default_value_t = 0.0)]
+    pub delay_events: f64,
+    #[arg(long, default_value_t = 200)]
+    pub delay_ms: u64,
+    /// Fraction of requests answered with HTTP 500.
+    #[arg(long, default_value_t = 0.0)]
+    pub error_fraction: f64,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
+/// The timing model, shared with the routing simulator.
+#[derive(Clone, Copy, Debug)]
+pub struct CostModel {
+    pub prefill_tps: f64,
+    pub decode_ms: f64,
+    pub max_batch: usize,
+}
+
+impl CostModel {
+    /// Seconds to prefill `uncached` tokens.
+    pub fn prefill_s(&self, uncached: u64) -> f64 {
+        uncached as f64 / self.prefill_tps.max(1.0)
+    }
+
+    /// Seconds of one decode step with `running` requests in the batch.
+    pub fn decode_step_s(&self, running: usize) -> f64 {
+        self.decode_ms / 1e3 * (1.0 + 0.1 * running as f64)
+    }
+}
+
+struct Engine {
+    args: EngineArgs,
+    pod: String,
+    tokenizer: tiktoken_rs::CoreBPE,
+    cache: Mutex<BlockCache>,
+    epoch: Mutex<String>,
+    seq: AtomicU64,
+    /// FIFO admission to the batch.
+    batch: Arc<tokio::sync::Semaphore>,
+    /// Prefill is serialized (compute-bound).
+    prefill_lane: tokio::sync::Mutex<()>,
+    running: AtomicU64,
+    waiting: AtomicU64,
+    rng: Mutex<Rng>,
+    events: tokio::sync::mpsc::UnboundedSender<EventBatch>,
+    served: AtomicU64,
+}
+
+impl Engine {
+    fn cost(&self) -> CostModel {
+        CostModel { prefill_tps: self.args.prefill_tps, decode_ms: self.args.decode_ms, max_batch: self.args.max_batch }
+    }
+
+    fn scaled(&self, sim_s: f64) -> Duration {
+        Duration::from_secs_f64((sim_s * self.args.time_scale).max(0.0))
+    }
+
+    fn publish(&self, events: Vec<Event>) {
+        if self.args.no_events || events.is_empty() {
+            return;
+        }
+        let b = EventBatch {
+            v: 1,
+            pod: self.pod.clone(),
+            model: self.args.model.clone(),
+            epoch: self.epoch.lock().clone(),
+            seq: self.seq.fetch_add(1, Ordering::Relaxed),
+            ts: Some(unix_now()),
+            events,
+        };
+        let _ = self.events.send(b);
+    }
+
+    /// Tokens of a request body (completions: token ids or text; chat: the template).
+    fn tokenize(&self, path: &str, v: &Value) -> Result<Vec<u32>, String> {
+        if path.ends_with("/chat/completions") {
+            let msgs = v["messages"].as_array().ok_or("`messages` must be a list")?;
+            let mut text = String::new();
+            for m in msgs {
+                let role = m["role"].as_str().unwrap_or("user");
+                let content = match &m["content"] {
+                    Value::String(s) => s.clone(),
+                    Value::Array(parts) => parts.iter().filter_map(|p| p["text"].as_str()).collect::<Vec<_>>().join(""),
+                    _ => String::new(),
+                };
+                text.push_str(&format!("<|im_start|>{role}\n{content}<|im_end|>\n"));
+            }
+            text.push_str("<|im_start|>assistant\n");
+            return Ok(self.tokenizer.encode_ordinary(&text));
+        }
+        match &v["prompt"] {
+            Value::String(s) => Ok(self.tokenizer.encode_ordinary(s)),
+            Value::Array(a) if a.first().is_some_and(|x| x.is_number()) => {
+                a.iter().map(|x| x.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or_else(|| "token ids must be u32".to_string())).collect()
+            }
+            Value::Array(a) => match a.first() {
+                Some(Value::String(s)) => Ok(self.tokenizer.encode_ordinary(s)),
+                Some(Value::Array(t)) => t.iter().map(|x| x.as_u64().map(|t| t as u32).ok_or_else(|| "token ids must be u32".to_string())).collect(),
+                _ => Err("empty prompt".into()),
+            },
+            _ => Err("`prompt` is required".into()),
+        }
+    }
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+}
+
+fn new_epoch(rng: &mut Rng) -> String {
+    format!("{:016x}", rng.next_u64())
+}
+
+pub async fn run(args: EngineArgs) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    let addr = listener.local_addr()?;
+    let mut rng = Rng(args.seed ^ addr.port() as u64 ^ (unix_now() * 1e6) as u64);
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let tokenizer = tiktoken_rs::o200k_base().map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?;
+    let eng = Arc::new(Engine {
+        pod: addr.to_string(),
+        tokenizer,
+        cache: Mutex::new(BlockCache::new(args.capacity_blocks)),
+        epoch: Mutex::new(new_epoch(&mut rng)),
+        seq: AtomicU64::new(0),
+        batch: Arc::new(tokio::sync::Semaphore::new(args.max_batch.max(1))),
+        prefill_lane: tokio::sync::Mutex::new(()),
+        running: AtomicU64::new(0),
+        waiting: AtomicU64::new(0),
+        rng: Mutex::new(rng),
+        events: tx,
+        served: AtomicU64::new(0),
+        args,
+    });
+    tokio::spawn(event_sender(eng.clone(), rx));
+    tokio::spawn(load_reporter(eng.clone()));
+    let app = Router::new()
+        .route("/v1/completions", post(complete))
+        .route("/v1/chat/completions", post(complete))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { "ok" }))
+        .route("/kvroute/dump", get(dump))
+        .route("/admin/restart", post(restart))
+        .route("/admin/stats", get(stats))
+        .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
+        .with_state(eng.clone());
+    eprintln!("kvroute-engine-sim: listening on {addr}");
+    axum::serve(listener, app).await?;
+    Ok(())
+}
+
+/// Publishes batches with the fault knobs applied (drop, duplicate, delay).
+async fn event_sender(eng: Arc<Engine>, mut rx: tokio::sync::mpsc::UnboundedReceiver<EventBatch>) {
+    let nats = match &eng.args.nats {
+        Some(url) => async_nats::ConnectOptions::new().retry_on_initial_connect().connect(url.as_str()).await.ok(),
+        None => None,
+    };
+    let http = reqwest::Client::new();
+    while let Some(b) = rx.recv().await {
+        let (drop, dup, delay) = {
+            let mut r = eng.rng.lock();
+            (r.f64() < eng.args.drop_events, r.f64() < eng.args.dup_events, r.f64() < eng.args.delay_events)
+        };
+        if drop {
+            continue;
+        }
+        let copies = if dup { 2 } else { 1 };
+        let send = {
+            let (eng, nats, http) = (eng.clone(), nats.clone(), http.clone());
+            async move {
+                let bytes = b.encode();
+                for _ in 0..copies {
+                    if let Some(nc) = &nats {
+                        let subject = format!("kvroute.events.{}.{}", eng.args.model, eng.pod.replace(['.', ':'], "_"));
+                        let _ = nc.publish(subject, bytes.clone().into()).await;
+                    }
+                    if let Some(url) = &eng.args.sidecar {
+                        let _ = http.post(format!("{url}/v1/events")).body(bytes.clone()).send().await;
+                    }
+                }
+            }
+        };
+        if delay {
+            let d = Duration::from_millis(eng.args.delay_ms);
+            tokio::spawn(async move {
+                tokio::time::sleep(d).await;
+                send.await;
+            });
+        } else {
+            send.await;
+        }
+    }
+}
+
+async fn load_reporter(eng: Arc<Engine>) {
+    let mut t = tokio::time::interval(Duration::from_millis(eng.args.load_interval_ms.max(50)));
+    loop {
+        t.tick().await;
+        let usage = {
+            let c = eng.cache.lock();
+            c.len() as f64 / c.capacity() as f64
+        };
+        eng.publish(vec![Event::Load {
+            running: eng.running.load(Ordering::Relaxed) as u32,
+            waiting: eng.waiting.load(Ordering::Relaxed) as u32,
+            kv_usage: usage.clamp(0.0, 1.0),
+            capacity_blocks: Some(eng.args.capacity_blocks as u64),
+        }]);
+    }
+}
+
+async fn models(State(eng): State<Arc<Engine>>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [{"id": eng.args.model, "object": "model"}]}))
+}
+
+async fn stats(State(eng): State<Arc<Engine>>) -> Json<Value> {
+    Json(json!({"pod": eng.pod, "served": eng.served.load(Ordering::Relaxed), "cached_blocks": eng.cache.lock().len(),
+                "epoch": eng.epoch.lock().clone(), "seq": eng.seq.load(Ordering::Relaxed)}))
+}
+
+/// The whole cache as one batch of `stored` events (for resyncs).
+async fn dump(State(eng): State<Arc<Engine>>) -> Response {
+    let blocks = eng.cache.lock().blocks();
+    let b = EventBatch {
+        v: 1,
+        pod: eng.pod.clone(),
+        model: eng.args.model.clone(),
+        epoch: eng.epoch.lock().clone(),
+        seq: eng.seq.load(Ordering::Relaxed).saturating_sub(1),
+        ts: Some(unix_now()),
+        events: vec![Event::Stored { tier: Tier::Gpu, parent: None, blocks, tokens: None }],
+    };
+    ([("content-type", "application/json")], b.encode()).into_response()
+}
+
+/// Simulated engine restart: empty cache, new epoch, seq from 0.
+async fn restart(State(eng): State<Arc<Engine>>) -> Json<Value> {
+    eng.cache.lock().clear();
+    let e = new_epoch(&mut eng.rng.lock());
+    *eng.epoch.lock() = e.clone();
+    eng.seq.store(0, Ordering::Relaxed);
+    eng.publish(vec![Event::Cleared]);
+    Json(json!({"epoch": e}))
+}
+
+async fn complete(State(eng): State<Arc<Engine>>, uri: axum::http::Uri, body: Bytes) -> Response {
+    let t_arrive = Instant::now();
+    let v: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return (StatusCode::BAD_REQUEST, Json(json!({"error": {"message": format!("invalid JSON: {e}")}}))).into_response(),
+    };
+    if eng.rng.lock().f64() < eng.args.error_fraction {
+        return (StatusCode::INTERNAL_SERVER_ERROR, Json(json!({"error": {"message": "injected failure"}}))).into_response();
+    }
+    let tokens = match eng.tokenize(uri.path(), &v) {
+        Ok(t) if !t.is_empty() => t,
+        Ok(_) => return (StatusCode::BAD_REQUEST, Json(json!({"error": {"message": "empty prompt"}}))).into_response(),
+        Err(e) => return (StatusCode::BAD_REQUEST, Json(json!({"error": {"message": e}}))).into_response(),
+    };
+    let max_tokens = v["max_tokens"].as_u64().unwrap_or(16).clamp(1, 4096);
+    let stream = v["stream"].as_bool().unwrap_or(false);
+    let include_usage = v["stream_options"]["include_usage"].as_bool().unwrap_or(false);
+    let salt = v["cache_salt"].as_str().unwrap_or("").to_string();
+    let chat = uri.path().ends_with("/chat/completions");
+
+    // Queue for a batch slot (FIFO), then prefill (serialized), then decode.
+    eng.waiting.fetch_add(1, Ordering::Relaxed);
+    let permit = eng.batch.clone().acquire_owned().await;
+    eng.waiting.fetch_sub(1, Ordering::Relaxed);
+    eng.running.fetch_add(1, Ordering::Relaxed);
+    let ns = Namespace { mode: Mode::Tokens, block_size: eng.args.block_size, model: &eng.args.model, adapter: "", cache_salt: &salt };
+    let chain = ns.chain_tokens(&tokens);
+    let (cached_blocks, stored, removed) = {
+        let lane = eng.prefill_lane.lock().await;
+        let adm = eng.cache.lock().admit(&chain);
+        let cached_tokens = (adm.hit_blocks as u64 * eng.args.block_size as u64).min(tokens.len() as u64);
+        let uncached = tokens.len() as u64 - cached_tokens;
+        tokio::time::sleep(eng.scaled(eng.cost().prefill_s(uncached))).await;
+        drop(lane);
+        (adm.hit_blocks, adm.stored, adm.removed)
+    };
+    let mut evs = Vec::new();
+    if !removed.is_empty() {
+        evs.push(Event::Removed { tier: Tier::Gpu, blocks: removed });
+    }
+    if !stored.is_empty() {
+        evs.push(Event::Stored { tier: Tier::Gpu, parent: None, blocks: stored, tokens: None });
+    }
+    eng.publish(evs);
+    let cached_tokens = (cached_blocks as u64 * eng.args.block_size as u64).min(tokens.len() as u64);
+    let ttft_ms = t_arrive.elapsed().as_secs_f64() * 1e3;
+    let usage = json!({"prompt_tokens": tokens.len(), "completion_tokens": max_tokens,
+                       "total_tokens": tokens.len() as u64 + max_tokens,
+                       "prompt_tokens_details": {"cached_tokens": cached_tokens}});
+    let eng2 = eng.clone();
+    let finish = move || {
+        eng2.running.fetch_sub(1, Ordering::Relaxed);
+        eng2.served.fetch_add(1, Ordering::Relaxed);
+    };
+    let pod = eng.pod.clone();
+    if stream {
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
+        let eng3 = eng.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            for i in 0..max_tokens {
+                let chunk = if chat {
+                    json!({"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": format!("t{i} ")}}], "usage": null})
+                } else {
+                    json!({"object": "text_completion", "choices": [{"index": 0, "text": format!("t{i} ")}], "usage": null})
+                };
+                if tx.send(Ok(Bytes::from(format!("data: {chunk}\n\n")))).await.is_err() {
+                    break;
+                }
+                let running = eng3.running.load(Ordering::Relaxed) as usize;
+                tokio::time::sleep(eng3.scaled(eng3.cost().decode_step_s(running))).await;
+            }
+            if include_usage {
+                let last = json!({"object": "chunk", "choices": [], "usage": usage});
+                let _ = tx.send(Ok(Bytes::from(format!("data: {last}\n\n")))).await;
+            }
+            let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
+            finish();
+        });
+        return Response::builder()
+            .header("content-type", "text/event-stream")
+            .header("x-pod", pod)
+            .header("x-engine-ttft-ms", format!("{ttft_ms:.3}"))
+            .body(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx)))
+            .unwrap_or_default();
+    }
+    for _ in 0..max_tokens {
+        let running = eng.running.load(Ordering::Relaxed) as usize;
+        tokio::time::sleep(eng.scaled(eng.cost().decode_step_s(running))).await;
+    }
+    drop(permit);
+    finish();
+    let text: String = (0..max_tokens).map(|i| format!("t{i} ")).collect();
+    let choice = if chat {
+        json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
+    } else {
+        json!({"index": 0, "text": text, "finish_reason": "length"})
+    };
+    let resp = json!({"id": format!("cmpl-{}", eng.served.load(Ordering::Relaxed)), "object": if chat {"chat.completion"} else {"text_completion"},
+                      "model": eng.args.model, "choices": [choice], "usage": usage});
+    ([("x-pod", pod), ("x-engine-ttft-ms", format!("{ttft_ms:.3}"))], Json(resp)).into_response()
+}

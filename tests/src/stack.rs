@@ -1,0 +1,174 @@
+//! The whole stack on loopback: nats-server, the sidecar (Unix socket + NATS), N engine
+//! simulators, Envoy with the kvroute filter, and a plain round-robin Envoy over the same
+//! engines for comparison. Every process is killed when the [`Stack`] drops, also when a
+//! test panics; [`crate::procs::Child`] runs each in its own process group.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::Context;
+use serde_json::{json, Value};
+
+use crate::client::Api;
+use crate::envoy::{Envoy, EnvoyLayout, Fallback, SidecarAddr};
+use crate::procs::{wait_until, workspace_bin, Child};
+use crate::services::{Nats, SidecarProc};
+
+pub struct EngineProc {
+    pub addr: SocketAddr,
+    child: Child,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl EngineProc {
+    pub fn start(args: &[String]) -> anyhow::Result<EngineProc> {
+        let bin = workspace_bin("kvroute-engine-sim");
+        anyhow::ensure!(bin.exists(), "{} missing: build the workspace first", bin.display());
+        let dir = tempfile::tempdir()?;
+        let log = dir.path().join("engine.log");
+        let child = Child::spawn("kvroute-engine-sim", Command::new(&bin).args(args), Some(&log))?;
+        let addr = wait_until(Duration::from_secs(20), || {
+            let text = std::fs::read_to_string(&log).ok()?;
+            text.lines().find_map(|l| l.strip_prefix("kvroute-engine-sim: listening on ")?.trim().parse().ok())
+        })
+        .with_context(|| format!("engine did not start: {}", std::fs::read_to_string(&log).unwrap_or_default()))?;
+        Ok(EngineProc { addr, child, log, _dir: dir })
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn kill(&mut self) {
+        self.child.kill();
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.pid()
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct StackOpts {
+    pub engines: usize,
+    pub nats: bool,
+    /// Engines publish KV events (false: predicted mode only).
+    pub engine_events: bool,
+    pub engine_args: Vec<String>,
+    pub filter_config: Value,
+    pub sidecar_args: Vec<String>,
+    /// Register pods with their dump URL (for resyncs).
+    pub register_dumps: bool,
+}
+
+impl Default for StackOpts {
+    fn default() -> Self {
+        StackOpts {
+            engines: 4,
+            nats: true,
+            engine_events: true,
+            engine_args: vec![],
+            filter_config: json!({"timeout_ms": 50, "default_model": {"block_size": 16}}),
+            sidecar_args: vec![],
+            register_dumps: true,
+        }
+    }
+}
+
+pub struct Stack {
+    pub nats: Option<Nats>,
+    pub sidecar: SidecarProc,
+    pub engines: Vec<EngineProc>,
+    pub envoy: Envoy,
+    pub plain: Envoy,
+    pub api: Api,
+    pub opts: StackOpts,
+}
+
+impl Stack {
+    pub async fn start(o: StackOpts) -> anyhow::Result<Stack> {
+        let nats = if o.nats { Some(Nats::start()?) } else { None };
+        let mut sargs: Vec<String> = o.sidecar_args.clone();
+        if let Some(n) = &nats {
+            sargs.extend(["--nats".into(), n.url()]);
+        }
+        let sref: Vec<&str> = sargs.iter().map(String::as_str).collect();
+        let sidecar = SidecarProc::start(&sref, true)?;
+        let api = Api::new(sidecar.addr);
+        let mut engines = Vec::new();
+        for i in 0..o.engines {
+            let mut a: Vec<String> = vec!["--seed".into(), (i + 1).to_string()];
+            a.extend(o.engine_args.iter().cloned());
+            if !o.engine_events {
+                a.push("--no-events".into());
+            } else if let Some(n) = &nats {
+                a.extend(["--nats".into(), n.url()]);
+            } else {
+                a.extend(["--sidecar".into(), format!("http://{}", sidecar.addr)]);
+            }
+            engines.push(EngineProc::start(&a)?);
+        }
+        for e in &engines {
+            let mut reg = json!({"model": "m"});
+            if o.register_dumps {
+                reg["dump_url"] = json!(format!("http://{}/kvroute/dump", e.addr));
+            }
+            let r = api.put(&format!("/v1/pods/{}", e.addr), &reg).await;
+            anyhow::ensure!(r.status == 200, "registering {}: {}", e.addr, r.json);
+        }
+        let wasm = crate::wasm_path();
+        anyhow::ensure!(wasm.exists(), "build the filter first: make wasm ({} missing)", wasm.display());
+        let layout = |with_filter: bool| EnvoyLayout {
+            listen_port: 0,
+            sidecar: SidecarAddr::Uds(sidecar.uds.clone().unwrap_or_default()),
+            engines: engines.iter().map(|e| e.addr).collect(),
+            wasm_path: wasm.clone(),
+            filter_config: o.filter_config.clone(),
+            with_filter,
+            fallback: Fallback::RoundRobin,
+            access_log: false,
+        };
+        let (l1, l2) = (layout(true), layout(false));
+        let envoy = tokio::task::spawn_blocking(move || Envoy::start(&l1)).await??;
+        let plain = tokio::task::spawn_blocking(move || Envoy::start(&l2)).await??;
+        // Wait until NATS subscriptions are up, so no early event is lost.
+        if nats.is_some() {
+            for _ in 0..200 {
+                if api.metric("kvroute_nats_connected").await == 1.0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Ok(Stack { nats, sidecar, engines, envoy, plain, api, opts: o })
+    }
+
+    /// Empty every engine's cache (a simulated restart: new epoch), e.g. between runs.
+    pub async fn restart_engines(&self) {
+        let http = reqwest::Client::new();
+        for e in &self.engines {
+            let _ = http.post(format!("http://{}/admin/restart", e.addr)).send().await;
+        }
+        // Let the `cleared` events reach the sidecar.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+
+    /// PIDs of every process of the stack (to check none outlives it).
+    pub fn pids(&self) -> Vec<u32> {
+        let mut v = vec![self.sidecar.pid()];
+        v.extend(self.engines.iter().map(|e| e.pid()));
+        v
+    }
+}
+
+/// Is this PID still a live process (not a zombie)?
+pub fn pid_alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next()))
+        .is_some_and(|state| state != 'Z')
+}
