@@ -112,6 +112,9 @@ pub async fn run(a: ServeArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("binding {}", a.listen))?;
     let bound = listener.local_addr()?;
+    let listener = axum::serve::ListenerExt::tap_io(listener, |s| {
+        let _ = s.set_nodelay(true);
+    });
     let mut servers = tokio::task::JoinSet::new();
     let shutdown = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.changed().await;

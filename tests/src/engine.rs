@@ -220,6 +220,11 @@ pub async fn run(args: EngineArgs) -> anyhow::Result<()> {
         .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
         .with_state(eng.clone());
     eprintln!("kvroute-engine-sim: listening on {addr}");
+    // Small streamed writes (headers, then one chunk per token) must not wait for
+    // delayed ACKs: Nagle off, as real engines' servers do.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |s| {
+        let _ = s.set_nodelay(true);
+    });
     axum::serve(listener, app).await?;
     Ok(())
 }

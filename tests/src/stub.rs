@@ -138,6 +138,9 @@ impl StubPod {
             .with_state(st);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
+        let listener = axum::serve::ListenerExt::tap_io(listener, |s| {
+            let _ = s.set_nodelay(true);
+        });
         tokio::spawn(async move { axum::serve(listener, app).await });
         Ok(StubPod {
             addr,
