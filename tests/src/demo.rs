@@ -34,33 +34,48 @@ pub struct WorkloadOpts {
 
 impl Default for WorkloadOpts {
     fn default() -> Self {
-        WorkloadOpts { users: 32, rounds: 5, docs: 16, questions: 8, seed: 7 }
+        WorkloadOpts {
+            users: 32,
+            rounds: 5,
+            docs: 16,
+            questions: 8,
+            seed: 7,
+        }
     }
 }
 
 const WORDS: &[&str] = &[
-    "cluster", "gateway", "latency", "cache", "prefill", "decode", "token", "pod", "router", "engine", "request",
-    "memory", "kernel", "batch", "queue", "policy", "index", "shard", "bitmap", "event", "stream", "tenant",
-    "model", "adapter", "prompt", "context", "window", "budget", "replica", "region",
+    "cluster", "gateway", "latency", "cache", "prefill", "decode", "token", "pod", "router",
+    "engine", "request", "memory", "kernel", "batch", "queue", "policy", "index", "shard",
+    "bitmap", "event", "stream", "tenant", "model", "adapter", "prompt", "context", "window",
+    "budget", "replica", "region",
 ];
 
 fn words(rng: &mut Rng, n: usize) -> String {
-    (0..n).map(|_| WORDS[rng.below(WORDS.len())]).collect::<Vec<_>>().join(" ")
+    (0..n)
+        .map(|_| WORDS[rng.below(WORDS.len())])
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// Build the workload: chat sessions (text, predicted residency) and document sessions
 /// (token ids, engine events), shuffled together.
 pub fn workload(o: WorkloadOpts) -> Vec<Session> {
     let mut rng = Rng(o.seed);
-    let system = format!("You are the support assistant of the ACME platform team. {}", words(&mut rng, 700));
+    let system = format!(
+        "You are the support assistant of the ACME platform team. {}",
+        words(&mut rng, 700)
+    );
     let mut sessions = Vec::new();
     for _ in 0..o.users {
         let mut history = vec![json!({"role": "system", "content": system})];
         let mut s = Vec::new();
         for _ in 0..o.rounds {
             history.push(json!({"role": "user", "content": words(&mut rng, 40)}));
-            s.push(Call::Chat(json!({"model": "m", "messages": history.clone(), "max_tokens": 16, "stream": true,
-                                     "stream_options": {"include_usage": true}})));
+            s.push(Call::Chat(
+                json!({"model": "m", "messages": history.clone(), "max_tokens": 16, "stream": true,
+                                     "stream_options": {"include_usage": true}}),
+            ));
             history.push(json!({"role": "assistant", "content": words(&mut rng, 60)}));
         }
         sessions.push(s);
@@ -71,8 +86,10 @@ pub fn workload(o: WorkloadOpts) -> Vec<Session> {
         for _ in 0..o.questions {
             let mut p = doc.clone();
             p.extend((0..48).map(|_| rng.below(100_000) as u32));
-            s.push(Call::Completion(json!({"model": "m", "prompt": p, "max_tokens": 16, "stream": true,
-                                           "stream_options": {"include_usage": true}})));
+            s.push(Call::Completion(
+                json!({"model": "m", "prompt": p, "max_tokens": 16, "stream": true,
+                                           "stream_options": {"include_usage": true}}),
+            ));
         }
         sessions.push(s);
     }
@@ -101,9 +118,16 @@ async fn call(http: &reqwest::Client, base: &str, c: &Call) -> Outcome {
         Call::Completion(b) => ("/v1/completions", b),
     };
     let t0 = Instant::now();
-    let Ok(resp) = http.post(format!("{base}{path}")).json(body).send().await else { return Outcome::default() };
+    let Ok(resp) = http.post(format!("{base}{path}")).json(body).send().await else {
+        return Outcome::default();
+    };
     let ok = resp.status().is_success();
-    let pod = resp.headers().get("x-pod").and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+    let pod = resp
+        .headers()
+        .get("x-pod")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
     let mut resp = resp;
     let mut ttft = None;
     let mut buf = Vec::new();
@@ -127,20 +151,32 @@ async fn call(http: &reqwest::Client, base: &str, c: &Call) -> Outcome {
         e2e,
         pod,
         prompt_tokens: usage["prompt_tokens"].as_u64().unwrap_or(0),
-        cached_tokens: usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0),
+        cached_tokens: usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0),
     }
 }
 
 /// Run every session through `base`, `concurrency` sessions at a time. `progress` is
 /// called after each request.
-pub async fn run(base: &str, sessions: &[Session], concurrency: usize, progress: impl Fn(usize, usize) + Send + Sync + 'static) -> Vec<Outcome> {
+pub async fn run(
+    base: &str,
+    sessions: &[Session],
+    concurrency: usize,
+    progress: impl Fn(usize, usize) + Send + Sync + 'static,
+) -> Vec<Outcome> {
     let http = reqwest::Client::new();
     let total: usize = sessions.iter().map(|s| s.len()).sum();
     let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let progress = Arc::new(progress);
     let results = futures::stream::iter(sessions.iter().cloned())
         .map(|s| {
-            let (http, base, done, progress) = (http.clone(), base.to_string(), done.clone(), progress.clone());
+            let (http, base, done, progress) = (
+                http.clone(),
+                base.to_string(),
+                done.clone(),
+                progress.clone(),
+            );
             async move {
                 let mut out = Vec::new();
                 for c in &s {
@@ -183,7 +219,10 @@ pub fn summarize(o: &[Outcome]) -> Summary {
     for x in &ok {
         *counts.entry(x.pod.clone()).or_default() += 1;
     }
-    let shares: BTreeMap<String, f64> = counts.iter().map(|(k, v)| (k.clone(), *v as f64 / ok.len().max(1) as f64)).collect();
+    let shares: BTreeMap<String, f64> = counts
+        .iter()
+        .map(|(k, v)| (k.clone(), *v as f64 / ok.len().max(1) as f64))
+        .collect();
     let mut ttfts_ms: Vec<f64> = ttft.0.iter().map(|u| *u as f64 / 1e3).collect();
     ttfts_ms.sort_by(|a, b| a.total_cmp(b));
     Summary {
@@ -216,7 +255,15 @@ fn r3(x: f64) -> f64 {
 pub fn table(rows: &[(&str, &Summary)]) -> String {
     let mut s = format!(
         "{:<12} {:>8} {:>6} {:>9} {:>10} {:>10} {:>10} {:>10} {:>10}\n",
-        "policy", "requests", "failed", "hit rate", "TTFT p50", "TTFT p99", "E2E p50", "E2E p99", "max share"
+        "policy",
+        "requests",
+        "failed",
+        "hit rate",
+        "TTFT p50",
+        "TTFT p99",
+        "E2E p50",
+        "E2E p99",
+        "max share"
     );
     for (name, x) in rows {
         s += &format!(
@@ -233,7 +280,11 @@ pub fn table(rows: &[(&str, &Summary)]) -> String {
         );
     }
     for (name, x) in rows {
-        let shares: Vec<String> = x.shares.iter().map(|(p, v)| format!("{p} {:.0}%", v * 100.0)).collect();
+        let shares: Vec<String> = x
+            .shares
+            .iter()
+            .map(|(p, v)| format!("{p} {:.0}%", v * 100.0))
+            .collect();
         s += &format!("{name} load share: {}\n", shares.join(", "));
     }
     s
@@ -242,7 +293,11 @@ pub fn table(rows: &[(&str, &Summary)]) -> String {
 /// An SVG of the TTFT distributions (CDFs), one line per series.
 pub fn svg_cdf(title: &str, series: &[(&str, &[f64], &str)]) -> String {
     let (w, h, ml, mb, mt, mr) = (720.0, 420.0, 60.0, 50.0, 40.0, 20.0);
-    let xmax = series.iter().flat_map(|s| s.1.iter().copied()).fold(1.0_f64, f64::max) * 1.05;
+    let xmax = series
+        .iter()
+        .flat_map(|s| s.1.iter().copied())
+        .fold(1.0_f64, f64::max)
+        * 1.05;
     let x = |v: f64| ml + v / xmax * (w - ml - mr);
     let y = |p: f64| h - mb - p * (h - mb - mt);
     let mut s = format!(
@@ -265,14 +320,29 @@ pub fn svg_cdf(title: &str, series: &[(&str, &[f64], &str)]) -> String {
     );
     for i in 0..=5 {
         let v = xmax / 5.0 * i as f64;
-        s += &format!(r#"<text x="{:.1}" y="{}" text-anchor="middle">{v:.0}</text>"#, x(v), h - mb + 16.0);
+        s += &format!(
+            r#"<text x="{:.1}" y="{}" text-anchor="middle">{v:.0}</text>"#,
+            x(v),
+            h - mb + 16.0
+        );
         let p = i as f64 / 5.0;
-        s += &format!(r#"<text x="{}" y="{:.1}" text-anchor="end">{p:.1}</text>"#, ml - 6.0, y(p) + 4.0);
+        s += &format!(
+            r#"<text x="{}" y="{:.1}" text-anchor="end">{p:.1}</text>"#,
+            ml - 6.0,
+            y(p) + 4.0
+        );
     }
     for (k, (name, vals, color)) in series.iter().enumerate() {
         let n = vals.len().max(1) as f64;
-        let pts: Vec<String> = vals.iter().enumerate().map(|(i, v)| format!("{:.1},{:.1}", x(*v), y((i + 1) as f64 / n))).collect();
-        s += &format!(r#"<polyline fill="none" stroke="{color}" stroke-width="2" points="{}"/>"#, pts.join(" "));
+        let pts: Vec<String> = vals
+            .iter()
+            .enumerate()
+            .map(|(i, v)| format!("{:.1},{:.1}", x(*v), y((i + 1) as f64 / n)))
+            .collect();
+        s += &format!(
+            r#"<polyline fill="none" stroke="{color}" stroke-width="2" points="{}"/>"#,
+            pts.join(" ")
+        );
         s += &format!(
             r#"<rect x="{}" y="{}" width="14" height="4" fill="{color}"/><text x="{}" y="{}">{name}</text>"#,
             w - 190.0,

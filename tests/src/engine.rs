@@ -34,7 +34,10 @@ use crate::bench::Rng;
 use crate::cache::BlockCache;
 
 #[derive(Parser, Debug, Clone)]
-#[command(name = "kvroute-engine-sim", about = "A simulated vLLM-like engine pod")]
+#[command(
+    name = "kvroute-engine-sim",
+    about = "A simulated vLLM-like engine pod"
+)]
 pub struct EngineArgs {
     #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: SocketAddr,
@@ -123,7 +126,11 @@ struct Engine {
 
 impl Engine {
     fn cost(&self) -> CostModel {
-        CostModel { prefill_tps: self.args.prefill_tps, decode_ms: self.args.decode_ms, max_batch: self.args.max_batch }
+        CostModel {
+            prefill_tps: self.args.prefill_tps,
+            decode_ms: self.args.decode_ms,
+            max_batch: self.args.max_batch,
+        }
     }
 
     fn scaled(&self, sim_s: f64) -> Duration {
@@ -149,13 +156,19 @@ impl Engine {
     /// Tokens of a request body (completions: token ids or text; chat: the template).
     fn tokenize(&self, path: &str, v: &Value) -> Result<Vec<u32>, String> {
         if path.ends_with("/chat/completions") {
-            let msgs = v["messages"].as_array().ok_or("`messages` must be a list")?;
+            let msgs = v["messages"]
+                .as_array()
+                .ok_or("`messages` must be a list")?;
             let mut text = String::new();
             for m in msgs {
                 let role = m["role"].as_str().unwrap_or("user");
                 let content = match &m["content"] {
                     Value::String(s) => s.clone(),
-                    Value::Array(parts) => parts.iter().filter_map(|p| p["text"].as_str()).collect::<Vec<_>>().join(""),
+                    Value::Array(parts) => parts
+                        .iter()
+                        .filter_map(|p| p["text"].as_str())
+                        .collect::<Vec<_>>()
+                        .join(""),
                     _ => String::new(),
                 };
                 text.push_str(&format!("<|im_start|>{role}\n{content}<|im_end|>\n"));
@@ -165,12 +178,24 @@ impl Engine {
         }
         match &v["prompt"] {
             Value::String(s) => Ok(self.tokenizer.encode_ordinary(s)),
-            Value::Array(a) if a.first().is_some_and(|x| x.is_number()) => {
-                a.iter().map(|x| x.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or_else(|| "token ids must be u32".to_string())).collect()
-            }
+            Value::Array(a) if a.first().is_some_and(|x| x.is_number()) => a
+                .iter()
+                .map(|x| {
+                    x.as_u64()
+                        .and_then(|t| u32::try_from(t).ok())
+                        .ok_or_else(|| "token ids must be u32".to_string())
+                })
+                .collect(),
             Value::Array(a) => match a.first() {
                 Some(Value::String(s)) => Ok(self.tokenizer.encode_ordinary(s)),
-                Some(Value::Array(t)) => t.iter().map(|x| x.as_u64().map(|t| t as u32).ok_or_else(|| "token ids must be u32".to_string())).collect(),
+                Some(Value::Array(t)) => t
+                    .iter()
+                    .map(|x| {
+                        x.as_u64()
+                            .map(|t| t as u32)
+                            .ok_or_else(|| "token ids must be u32".to_string())
+                    })
+                    .collect(),
                 _ => Err("empty prompt".into()),
             },
             _ => Err("`prompt` is required".into()),
@@ -179,7 +204,10 @@ impl Engine {
 }
 
 fn unix_now() -> f64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
 }
 
 fn new_epoch(rng: &mut Rng) -> String {
@@ -232,14 +260,22 @@ pub async fn run(args: EngineArgs) -> anyhow::Result<()> {
 /// Publishes batches with the fault knobs applied (drop, duplicate, delay).
 async fn event_sender(eng: Arc<Engine>, mut rx: tokio::sync::mpsc::UnboundedReceiver<EventBatch>) {
     let nats = match &eng.args.nats {
-        Some(url) => async_nats::ConnectOptions::new().retry_on_initial_connect().connect(url.as_str()).await.ok(),
+        Some(url) => async_nats::ConnectOptions::new()
+            .retry_on_initial_connect()
+            .connect(url.as_str())
+            .await
+            .ok(),
         None => None,
     };
     let http = reqwest::Client::new();
     while let Some(b) = rx.recv().await {
         let (drop, dup, delay) = {
             let mut r = eng.rng.lock();
-            (r.f64() < eng.args.drop_events, r.f64() < eng.args.dup_events, r.f64() < eng.args.delay_events)
+            (
+                r.f64() < eng.args.drop_events,
+                r.f64() < eng.args.dup_events,
+                r.f64() < eng.args.delay_events,
+            )
         };
         if drop {
             continue;
@@ -251,11 +287,19 @@ async fn event_sender(eng: Arc<Engine>, mut rx: tokio::sync::mpsc::UnboundedRece
                 let bytes = b.encode();
                 for _ in 0..copies {
                     if let Some(nc) = &nats {
-                        let subject = format!("kvroute.events.{}.{}", eng.args.model, eng.pod.replace(['.', ':'], "_"));
+                        let subject = format!(
+                            "kvroute.events.{}.{}",
+                            eng.args.model,
+                            eng.pod.replace(['.', ':'], "_")
+                        );
                         let _ = nc.publish(subject, bytes.clone().into()).await;
                     }
                     if let Some(url) = &eng.args.sidecar {
-                        let _ = http.post(format!("{url}/v1/events")).body(bytes.clone()).send().await;
+                        let _ = http
+                            .post(format!("{url}/v1/events"))
+                            .body(bytes.clone())
+                            .send()
+                            .await;
                     }
                 }
             }
@@ -294,8 +338,10 @@ async fn models(State(eng): State<Arc<Engine>>) -> Json<Value> {
 }
 
 async fn stats(State(eng): State<Arc<Engine>>) -> Json<Value> {
-    Json(json!({"pod": eng.pod, "served": eng.served.load(Ordering::Relaxed), "cached_blocks": eng.cache.lock().len(),
-                "epoch": eng.epoch.lock().clone(), "seq": eng.seq.load(Ordering::Relaxed)}))
+    Json(
+        json!({"pod": eng.pod, "served": eng.served.load(Ordering::Relaxed), "cached_blocks": eng.cache.lock().len(),
+                "epoch": eng.epoch.lock().clone(), "seq": eng.seq.load(Ordering::Relaxed)}),
+    )
 }
 
 /// The whole cache as one batch of `stored` events (for resyncs).
@@ -308,7 +354,12 @@ async fn dump(State(eng): State<Arc<Engine>>) -> Response {
         epoch: eng.epoch.lock().clone(),
         seq: eng.seq.load(Ordering::Relaxed).saturating_sub(1),
         ts: Some(unix_now()),
-        events: vec![Event::Stored { tier: Tier::Gpu, parent: None, blocks, tokens: None }],
+        events: vec![Event::Stored {
+            tier: Tier::Gpu,
+            parent: None,
+            blocks,
+            tokens: None,
+        }],
     };
     ([("content-type", "application/json")], b.encode()).into_response()
 }
@@ -327,19 +378,43 @@ async fn complete(State(eng): State<Arc<Engine>>, uri: axum::http::Uri, body: By
     let t_arrive = Instant::now();
     let v: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
-        Err(e) => return (StatusCode::BAD_REQUEST, Json(json!({"error": {"message": format!("invalid JSON: {e}")}}))).into_response(),
+        Err(e) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                Json(json!({"error": {"message": format!("invalid JSON: {e}")}})),
+            )
+                .into_response()
+        }
     };
     if eng.rng.lock().f64() < eng.args.error_fraction {
-        return (StatusCode::INTERNAL_SERVER_ERROR, Json(json!({"error": {"message": "injected failure"}}))).into_response();
+        return (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            Json(json!({"error": {"message": "injected failure"}})),
+        )
+            .into_response();
     }
     let tokens = match eng.tokenize(uri.path(), &v) {
         Ok(t) if !t.is_empty() => t,
-        Ok(_) => return (StatusCode::BAD_REQUEST, Json(json!({"error": {"message": "empty prompt"}}))).into_response(),
-        Err(e) => return (StatusCode::BAD_REQUEST, Json(json!({"error": {"message": e}}))).into_response(),
+        Ok(_) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                Json(json!({"error": {"message": "empty prompt"}})),
+            )
+                .into_response()
+        }
+        Err(e) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                Json(json!({"error": {"message": e}})),
+            )
+                .into_response()
+        }
     };
     let max_tokens = v["max_tokens"].as_u64().unwrap_or(16).clamp(1, 4096);
     let stream = v["stream"].as_bool().unwrap_or(false);
-    let include_usage = v["stream_options"]["include_usage"].as_bool().unwrap_or(false);
+    let include_usage = v["stream_options"]["include_usage"]
+        .as_bool()
+        .unwrap_or(false);
     let salt = v["cache_salt"].as_str().unwrap_or("").to_string();
     let chat = uri.path().ends_with("/chat/completions");
 
@@ -348,12 +423,19 @@ async fn complete(State(eng): State<Arc<Engine>>, uri: axum::http::Uri, body: By
     let permit = eng.batch.clone().acquire_owned().await;
     eng.waiting.fetch_sub(1, Ordering::Relaxed);
     eng.running.fetch_add(1, Ordering::Relaxed);
-    let ns = Namespace { mode: Mode::Tokens, block_size: eng.args.block_size, model: &eng.args.model, adapter: "", cache_salt: &salt };
+    let ns = Namespace {
+        mode: Mode::Tokens,
+        block_size: eng.args.block_size,
+        model: &eng.args.model,
+        adapter: "",
+        cache_salt: &salt,
+    };
     let chain = ns.chain_tokens(&tokens);
     let (cached_blocks, stored, removed) = {
         let lane = eng.prefill_lane.lock().await;
         let adm = eng.cache.lock().admit(&chain);
-        let cached_tokens = (adm.hit_blocks as u64 * eng.args.block_size as u64).min(tokens.len() as u64);
+        let cached_tokens =
+            (adm.hit_blocks as u64 * eng.args.block_size as u64).min(tokens.len() as u64);
         let uncached = tokens.len() as u64 - cached_tokens;
         tokio::time::sleep(eng.scaled(eng.cost().prefill_s(uncached))).await;
         drop(lane);
@@ -361,13 +443,22 @@ async fn complete(State(eng): State<Arc<Engine>>, uri: axum::http::Uri, body: By
     };
     let mut evs = Vec::new();
     if !removed.is_empty() {
-        evs.push(Event::Removed { tier: Tier::Gpu, blocks: removed });
+        evs.push(Event::Removed {
+            tier: Tier::Gpu,
+            blocks: removed,
+        });
     }
     if !stored.is_empty() {
-        evs.push(Event::Stored { tier: Tier::Gpu, parent: None, blocks: stored, tokens: None });
+        evs.push(Event::Stored {
+            tier: Tier::Gpu,
+            parent: None,
+            blocks: stored,
+            tokens: None,
+        });
     }
     eng.publish(evs);
-    let cached_tokens = (cached_blocks as u64 * eng.args.block_size as u64).min(tokens.len() as u64);
+    let cached_tokens =
+        (cached_blocks as u64 * eng.args.block_size as u64).min(tokens.len() as u64);
     let ttft_ms = t_arrive.elapsed().as_secs_f64() * 1e3;
     let usage = json!({"prompt_tokens": tokens.len(), "completion_tokens": max_tokens,
                        "total_tokens": tokens.len() as u64 + max_tokens,
@@ -389,7 +480,11 @@ async fn complete(State(eng): State<Arc<Engine>>, uri: axum::http::Uri, body: By
                 } else {
                     json!({"object": "text_completion", "choices": [{"index": 0, "text": format!("t{i} ")}], "usage": null})
                 };
-                if tx.send(Ok(Bytes::from(format!("data: {chunk}\n\n")))).await.is_err() {
+                if tx
+                    .send(Ok(Bytes::from(format!("data: {chunk}\n\n"))))
+                    .await
+                    .is_err()
+                {
                     break;
                 }
                 let running = eng3.running.load(Ordering::Relaxed) as usize;
@@ -406,7 +501,9 @@ async fn complete(State(eng): State<Arc<Engine>>, uri: axum::http::Uri, body: By
             .header("content-type", "text/event-stream")
             .header("x-pod", pod)
             .header("x-engine-ttft-ms", format!("{ttft_ms:.3}"))
-            .body(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx)))
+            .body(Body::from_stream(
+                tokio_stream::wrappers::ReceiverStream::new(rx),
+            ))
             .unwrap_or_default();
     }
     for _ in 0..max_tokens {
@@ -423,5 +520,12 @@ async fn complete(State(eng): State<Arc<Engine>>, uri: axum::http::Uri, body: By
     };
     let resp = json!({"id": format!("cmpl-{}", eng.served.load(Ordering::Relaxed)), "object": if chat {"chat.completion"} else {"text_completion"},
                       "model": eng.args.model, "choices": [choice], "usage": usage});
-    ([("x-pod", pod), ("x-engine-ttft-ms", format!("{ttft_ms:.3}"))], Json(resp)).into_response()
+    (
+        [
+            ("x-pod", pod),
+            ("x-engine-ttft-ms", format!("{ttft_ms:.3}")),
+        ],
+        Json(resp),
+    )
+        .into_response()
 }

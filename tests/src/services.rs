@@ -54,6 +54,10 @@ impl Nats {
         Ok(())
     }
 
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.pid())
+    }
+
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
             c.kill();

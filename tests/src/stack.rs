@@ -26,16 +26,39 @@ pub struct EngineProc {
 impl EngineProc {
     pub fn start(args: &[String]) -> anyhow::Result<EngineProc> {
         let bin = workspace_bin("kvroute-engine-sim");
-        anyhow::ensure!(bin.exists(), "{} missing: build the workspace first", bin.display());
+        anyhow::ensure!(
+            bin.exists(),
+            "{} missing: build the workspace first",
+            bin.display()
+        );
         let dir = tempfile::tempdir()?;
         let log = dir.path().join("engine.log");
-        let child = Child::spawn("kvroute-engine-sim", Command::new(&bin).args(args), Some(&log))?;
+        let child = Child::spawn(
+            "kvroute-engine-sim",
+            Command::new(&bin).args(args),
+            Some(&log),
+        )?;
         let addr = wait_until(Duration::from_secs(20), || {
             let text = std::fs::read_to_string(&log).ok()?;
-            text.lines().find_map(|l| l.strip_prefix("kvroute-engine-sim: listening on ")?.trim().parse().ok())
+            text.lines().find_map(|l| {
+                l.strip_prefix("kvroute-engine-sim: listening on ")?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
         })
-        .with_context(|| format!("engine did not start: {}", std::fs::read_to_string(&log).unwrap_or_default()))?;
-        Ok(EngineProc { addr, child, log, _dir: dir })
+        .with_context(|| {
+            format!(
+                "engine did not start: {}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            )
+        })?;
+        Ok(EngineProc {
+            addr,
+            child,
+            log,
+            _dir: dir,
+        })
     }
 
     pub fn log(&self) -> String {
@@ -120,7 +143,11 @@ impl Stack {
             anyhow::ensure!(r.status == 200, "registering {}: {}", e.addr, r.json);
         }
         let wasm = crate::wasm_path();
-        anyhow::ensure!(wasm.exists(), "build the filter first: make wasm ({} missing)", wasm.display());
+        anyhow::ensure!(
+            wasm.exists(),
+            "build the filter first: make wasm ({} missing)",
+            wasm.display()
+        );
         let layout = |with_filter: bool| EnvoyLayout {
             listen_port: 0,
             sidecar: SidecarAddr::Uds(sidecar.uds.clone().unwrap_or_default()),
@@ -144,14 +171,25 @@ impl Stack {
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        Ok(Stack { nats, sidecar, engines, envoy, plain, api, opts: o })
+        Ok(Stack {
+            nats,
+            sidecar,
+            engines,
+            envoy,
+            plain,
+            api,
+            opts: o,
+        })
     }
 
     /// Empty every engine's cache (a simulated restart: new epoch), e.g. between runs.
     pub async fn restart_engines(&self) {
         let http = reqwest::Client::new();
         for e in &self.engines {
-            let _ = http.post(format!("http://{}/admin/restart", e.addr)).send().await;
+            let _ = http
+                .post(format!("http://{}/admin/restart", e.addr))
+                .send()
+                .await;
         }
         // Let the `cleared` events reach the sidecar.
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -159,8 +197,15 @@ impl Stack {
 
     /// PIDs of every process of the stack (to check none outlives it).
     pub fn pids(&self) -> Vec<u32> {
-        let mut v = vec![self.sidecar.pid()];
+        let mut v = vec![
+            self.sidecar.pid(),
+            self.envoy.child.pid(),
+            self.plain.child.pid(),
+        ];
         v.extend(self.engines.iter().map(|e| e.pid()));
+        if let Some(n) = &self.nats {
+            v.extend(n.pid());
+        }
         v
     }
 }
@@ -169,6 +214,9 @@ impl Stack {
 pub fn pid_alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .ok()
-        .and_then(|s| s.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next()))
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .and_then(|(_, rest)| rest.trim_start().chars().next())
+        })
         .is_some_and(|state| state != 'Z')
 }

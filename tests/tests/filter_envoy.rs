@@ -359,13 +359,23 @@ async fn real_sidecar_over_uds_steers_by_cache_and_gets_reports() {
         fallback: Fallback::RoundRobin,
         access_log: false,
     };
-    let envoy = tokio::task::spawn_blocking(move || Envoy::start(&layout)).await.expect("join").expect("envoy");
+    let envoy = tokio::task::spawn_blocking(move || Envoy::start(&layout))
+        .await
+        .expect("join")
+        .expect("envoy");
     // Pod b's engine says it holds the first 3 blocks of this prompt.
     let tokens: Vec<u32> = (0..64).collect();
-    let ns = kvroute_shared::Namespace { mode: kvroute_shared::Mode::Tokens, block_size: 16, model: "m", adapter: "", cache_salt: "" };
+    let ns = kvroute_shared::Namespace {
+        mode: kvroute_shared::Mode::Tokens,
+        block_size: 16,
+        model: "m",
+        adapter: "",
+        cache_salt: "",
+    };
     let chain = ns.chain_tokens(&tokens);
     let b = pods[1].addr.to_string();
-    api.events(&batch(&b, "m", "e", 0, vec![stored(&chain[..3])])).await;
+    api.events(&batch(&b, "m", "e", 0, vec![stored(&chain[..3])]))
+        .await;
     let body = serde_json::to_string(&json!({"model": "m", "prompt": tokens})).expect("json");
     let http = reqwest::Client::new();
     for i in 0..5 {
@@ -385,6 +395,15 @@ async fn real_sidecar_over_uds_steers_by_cache_and_gets_reports() {
         (v >= 5.0).then_some(v)
     });
     assert_eq!(reported, Some(5.0), "reports arrive at the sidecar");
-    assert_eq!(api.metric("kvroute_cached_tokens_total{source=\"reported\"}").await, 35.0, "5 x cached_tokens 7");
-    assert_eq!(api.metric("kvroute_inflight_decisions").await, 0.0, "reports released the load");
+    assert_eq!(
+        api.metric("kvroute_cached_tokens_total{source=\"reported\"}")
+            .await,
+        35.0,
+        "5 x cached_tokens 7"
+    );
+    assert_eq!(
+        api.metric("kvroute_inflight_decisions").await,
+        0.0,
+        "reports released the load"
+    );
 }

@@ -4,6 +4,9 @@ use clap::Parser;
 
 fn main() -> anyhow::Result<()> {
     let args = kvroute_tests::engine::EngineArgs::parse();
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
     rt.block_on(kvroute_tests::engine::run(args))
 }

@@ -41,10 +41,21 @@ enum Cmd {
 }
 
 fn engine_args() -> Vec<String> {
-    ["--capacity-blocks", "1536", "--prefill-tps", "8000", "--decode-ms", "20", "--max-batch", "8", "--time-scale", "0.5"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
+    [
+        "--capacity-blocks",
+        "1536",
+        "--prefill-tps",
+        "8000",
+        "--decode-ms",
+        "20",
+        "--max-batch",
+        "8",
+        "--time-scale",
+        "0.5",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
 }
 
 fn main() -> anyhow::Result<()> {
@@ -53,20 +64,41 @@ fn main() -> anyhow::Result<()> {
         print!("{}", kvroute_tests::envoy::EnvoyLayout::shipped().render());
         return Ok(());
     }
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     rt.block_on(async move {
         match cli.cmd {
-            Cmd::Demo { svg, users, docs, concurrency } => run_demo(svg, users, docs, concurrency).await,
+            Cmd::Demo {
+                svg,
+                users,
+                docs,
+                concurrency,
+            } => run_demo(svg, users, docs, concurrency).await,
             Cmd::Up => up().await,
             Cmd::RenderEnvoy => Ok(()),
         }
     })
 }
 
-async fn run_demo(svg: PathBuf, users: usize, docs: usize, concurrency: usize) -> anyhow::Result<()> {
+async fn run_demo(
+    svg: PathBuf,
+    users: usize,
+    docs: usize,
+    concurrency: usize,
+) -> anyhow::Result<()> {
     eprintln!("== starting the stack: nats-server, kvroute-sidecar, 4 engine sims, Envoy + kvroute filter, plain Envoy");
-    let stack = Stack::start(StackOpts { engine_args: engine_args(), ..StackOpts::default() }).await?;
-    let w = demo::workload(WorkloadOpts { users, docs, ..WorkloadOpts::default() });
+    let stack = Stack::start(StackOpts {
+        engine_args: engine_args(),
+        ..StackOpts::default()
+    })
+    .await?;
+    let w = demo::workload(WorkloadOpts {
+        users,
+        docs,
+        ..WorkloadOpts::default()
+    });
     let n: usize = w.iter().map(|s| s.len()).sum();
     eprintln!(
         "   workload: {n} requests ({users} chat users x 5 turns with a shared system prompt, {docs} documents x 8 questions), {concurrency} concurrent sessions"
@@ -86,7 +118,13 @@ async fn run_demo(svg: PathBuf, users: usize, docs: usize, concurrency: usize) -
     let kv = demo::run(&stack.envoy.url(""), &w, concurrency, progress("kvroute")).await;
     stack.restart_engines().await;
     eprintln!("== run 2: through Envoy with plain round-robin (engine caches emptied first)");
-    let rr = demo::run(&stack.plain.url(""), &w, concurrency, progress("round-robin")).await;
+    let rr = demo::run(
+        &stack.plain.url(""),
+        &w,
+        concurrency,
+        progress("round-robin"),
+    )
+    .await;
     let (k, r) = (demo::summarize(&kv), demo::summarize(&rr));
     println!();
     print!("{}", demo::table(&[("kvroute", &k), ("round-robin", &r)]));
@@ -97,7 +135,13 @@ async fn run_demo(svg: PathBuf, users: usize, docs: usize, concurrency: usize) -
         k.hit_rate * 100.0,
         r.hit_rate * 100.0
     );
-    let chart = demo::svg_cdf("TTFT distribution: kvroute vs round-robin", &[("kvroute", &k.ttfts_ms, "#1f77b4"), ("round-robin", &r.ttfts_ms, "#d62728")]);
+    let chart = demo::svg_cdf(
+        "TTFT distribution: kvroute vs round-robin",
+        &[
+            ("kvroute", &k.ttfts_ms, "#1f77b4"),
+            ("round-robin", &r.ttfts_ms, "#d62728"),
+        ],
+    );
     if let Some(dir) = svg.parent() {
         std::fs::create_dir_all(dir).ok();
     }
@@ -114,7 +158,11 @@ async fn run_demo(svg: PathBuf, users: usize, docs: usize, concurrency: usize) -
 }
 
 async fn up() -> anyhow::Result<()> {
-    let stack = Stack::start(StackOpts { engine_args: engine_args(), ..StackOpts::default() }).await?;
+    let stack = Stack::start(StackOpts {
+        engine_args: engine_args(),
+        ..StackOpts::default()
+    })
+    .await?;
     let e = stack.envoy.url("");
     println!("kvroute stack is up (Ctrl-C stops everything):");
     println!("  gateway (Envoy + kvroute): {e}");
@@ -126,8 +174,14 @@ async fn up() -> anyhow::Result<()> {
     println!("\nTry:");
     println!("  curl -s {e}/v1/completions -H 'content-type: application/json' -d '{{\"model\":\"m\",\"prompt\":\"Hello, kvroute! Tell me about prefix caches.\",\"max_tokens\":8}}' -i | grep -i x-pod");
     println!("  curl -s {e}/v1/chat/completions -H 'content-type: application/json' -d '{{\"model\":\"m\",\"messages\":[{{\"role\":\"user\",\"content\":\"hi\"}}],\"stream\":true,\"stream_options\":{{\"include_usage\":true}}}}'");
-    println!("  curl -s http://{}/v1/pods | python3 -m json.tool", stack.sidecar.addr);
-    println!("  curl -s http://{}/metrics | grep kvroute_decisions", stack.sidecar.addr);
+    println!(
+        "  curl -s http://{}/v1/pods | python3 -m json.tool",
+        stack.sidecar.addr
+    );
+    println!(
+        "  curl -s http://{}/metrics | grep kvroute_decisions",
+        stack.sidecar.addr
+    );
     println!("  curl -s http://{}/v1/config", stack.sidecar.addr);
     tokio::signal::ctrl_c().await?;
     drop(stack);

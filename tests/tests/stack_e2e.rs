@@ -1,0 +1,260 @@
+//! End to end: real Envoy + filter, the sidecar, NATS and simulated engines.
+
+use std::time::Duration;
+
+use kvroute_tests::demo::{self, WorkloadOpts};
+use kvroute_tests::stack::{pid_alive, Stack, StackOpts};
+use serde_json::{json, Value};
+
+fn engine_args() -> Vec<String> {
+    [
+        "--capacity-blocks",
+        "1536",
+        "--prefill-tps",
+        "8000",
+        "--decode-ms",
+        "10",
+        "--max-batch",
+        "8",
+        "--time-scale",
+        "0.5",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+async fn post(url: &str, body: &Value) -> (String, u64, u64) {
+    let r = reqwest::Client::new()
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .expect("request");
+    assert!(r.status().is_success(), "{}", r.status());
+    let pod = r
+        .headers()
+        .get("x-pod")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    let v: Value = r.json().await.expect("json");
+    (
+        pod,
+        v["usage"]["prompt_tokens"].as_u64().unwrap_or(0),
+        v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kvroute_beats_round_robin_on_the_same_workload() {
+    let stack = Stack::start(StackOpts {
+        engine_args: engine_args(),
+        ..StackOpts::default()
+    })
+    .await
+    .expect("stack");
+    let w = demo::workload(WorkloadOpts {
+        users: 12,
+        rounds: 4,
+        docs: 8,
+        questions: 6,
+        seed: 3,
+    });
+    let kv = demo::summarize(&demo::run(&stack.envoy.url(""), &w, 6, |_, _| {}).await);
+    stack.restart_engines().await;
+    let rr = demo::summarize(&demo::run(&stack.plain.url(""), &w, 6, |_, _| {}).await);
+    println!("{}", demo::table(&[("kvroute", &kv), ("round-robin", &rr)]));
+    assert_eq!((kv.failed, rr.failed), (0, 0));
+    assert!(
+        kv.hit_rate > rr.hit_rate + 0.05,
+        "hit rate {} vs {}",
+        kv.hit_rate,
+        rr.hit_rate
+    );
+    assert!(
+        kv.ttft_mean_ms < 0.9 * rr.ttft_mean_ms,
+        "mean TTFT {} vs {}",
+        kv.ttft_mean_ms,
+        rr.ttft_mean_ms
+    );
+    assert!(kv.max_load_share < 0.4, "no hot spot: {:?}", kv.shares);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn event_driven_routing_follows_engine_caches_and_restarts() {
+    let stack = Stack::start(StackOpts {
+        engine_args: engine_args(),
+        ..StackOpts::default()
+    })
+    .await
+    .expect("stack");
+    let url = stack.envoy.url("/v1/completions");
+    let prompt: Vec<u32> = (0..800).map(|i| (i * 7919) % 100_000).collect();
+    let (first, _, cached) = post(
+        &url,
+        &json!({"model": "m", "prompt": prompt, "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(cached, 0);
+    // The engine's `stored` events reach the index over NATS.
+    let ns = kvroute_shared::Namespace {
+        mode: kvroute_shared::Mode::Tokens,
+        block_size: 16,
+        model: "m",
+        adapter: "",
+        cache_salt: "",
+    };
+    let chain = ns.chain_tokens(&prompt);
+    let q = chain
+        .iter()
+        .map(|h| h.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut confirmed = Value::Null;
+    for _ in 0..100 {
+        confirmed = stack
+            .api
+            .get(&format!("/v1/lookup?model=m&chain={q}"))
+            .await
+            .json["confirmed"]
+            .clone();
+        if confirmed[0]["matched_blocks"] == 50 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(confirmed[0]["pod"], first.as_str(), "{confirmed}");
+    assert_eq!(confirmed[0]["matched_blocks"], 50);
+    // Follow-ups with the same prefix land there and reuse it.
+    for i in 0..4u32 {
+        let mut p = prompt.clone();
+        p.extend([i, i + 1, i + 2]);
+        let (pod, _, cached) =
+            post(&url, &json!({"model": "m", "prompt": p, "max_tokens": 2})).await;
+        assert_eq!(pod, first);
+        assert_eq!(cached, 800);
+    }
+    // The engine restarts: its old prefixes are no longer routed to.
+    let http = reqwest::Client::new();
+    http.post(format!("http://{first}/admin/restart"))
+        .send()
+        .await
+        .expect("restart");
+    let mut gone = false;
+    for _ in 0..100 {
+        let c = stack
+            .api
+            .get(&format!("/v1/lookup?model=m&chain={q}"))
+            .await
+            .json["confirmed"]
+            .clone();
+        if c.as_array().is_some_and(|a| a.is_empty()) {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(gone, "old blocks dropped after the engine's new epoch");
+    assert_eq!(stack.api.metric("kvroute_engine_restarts_total").await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn predicted_mode_keeps_conversations_together_and_learns_from_reports() {
+    let stack = Stack::start(StackOpts {
+        engines: 3,
+        nats: false,
+        engine_events: false,
+        register_dumps: false,
+        engine_args: engine_args(),
+        ..StackOpts::default()
+    })
+    .await
+    .expect("stack");
+    let url = stack.envoy.url("/v1/chat/completions");
+    let mut together = 0;
+    let mut reused = 0;
+    let mut turns = 0;
+    for u in 0..6 {
+        let mut history = vec![
+            json!({"role": "system", "content": format!("You are assistant number {u}. {}", "Be brief and precise. ".repeat(40))}),
+        ];
+        let mut first_pod = None;
+        for t in 0..4 {
+            history.push(json!({"role": "user", "content": format!("question {t} from user {u}: what is a prefix cache?")}));
+            let (pod, _, cached) = post(
+                &url,
+                &json!({"model": "m", "messages": history, "max_tokens": 2}),
+            )
+            .await;
+            if t > 0 {
+                turns += 1;
+                together += (Some(&pod) == first_pod.as_ref()) as u32;
+                reused += (cached > 0) as u32;
+            }
+            first_pod.get_or_insert(pod);
+            history.push(json!({"role": "assistant", "content": "A cache of attention keys and values for prompt prefixes."}));
+        }
+    }
+    assert!(
+        together * 10 >= turns * 9,
+        "follow-up turns stay with their conversation: {together}/{turns}"
+    );
+    assert!(
+        reused * 10 >= turns * 9,
+        "and reuse its cache: {reused}/{turns}"
+    );
+    // Engines restart silently (no events in this mode): reports reveal the mispredictions.
+    stack.restart_engines().await;
+    for u in 0..3 {
+        let history = vec![
+            json!({"role": "system", "content": format!("You are assistant number {u}. {}", "Be brief and precise. ".repeat(40))}),
+            json!({"role": "user", "content": format!("question 0 from user {u}: what is a prefix cache?")}),
+        ];
+        post(
+            &url,
+            &json!({"model": "m", "messages": history, "max_tokens": 2}),
+        )
+        .await;
+    }
+    let mut seen = 0.0;
+    for _ in 0..100 {
+        seen = stack.api.metric("kvroute_mispredictions_total").await;
+        if seen >= 1.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(seen >= 1.0, "reports flagged the mispredictions");
+    let pods = stack.api.get("/v1/pods").await.json;
+    let caps: Vec<f64> = pods["pods"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| p["predicted_capacity_blocks"].as_f64())
+        .collect();
+    assert!(
+        caps.iter().any(|c| *c < 65536.0),
+        "a mispredicting pod's predicted capacity shrank: {caps:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stack_leaves_no_process_behind() {
+    let stack = Stack::start(StackOpts {
+        engines: 2,
+        engine_args: engine_args(),
+        ..StackOpts::default()
+    })
+    .await
+    .expect("stack");
+    let pids = stack.pids();
+    assert!(pids.len() >= 6);
+    assert!(pids.iter().all(|p| pid_alive(*p)));
+    drop(stack);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let alive: Vec<u32> = pids.into_iter().filter(|p| pid_alive(*p)).collect();
+    assert!(alive.is_empty(), "orphans: {alive:?}");
+}
