@@ -139,10 +139,10 @@ async fn call(http: &reqwest::Client, base: &str, c: &Call) -> Outcome {
     let text = String::from_utf8_lossy(&buf);
     let usage = text
         .lines()
+        .rev()
         .filter_map(|l| l.strip_prefix("data: "))
         .filter_map(|d| serde_json::from_str::<Value>(d).ok())
-        .filter(|v| v["usage"].is_object())
-        .last()
+        .find(|v| v["usage"].is_object())
         .map(|v| v["usage"].clone())
         .unwrap_or(Value::Null);
     Outcome {

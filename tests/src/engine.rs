@@ -8,6 +8,7 @@
 //! - prefill is serialized per pod (compute-bound): `uncached_tokens / prefill_tps`;
 //! - each decode step takes `decode_ms × (1 + 0.1 × running)` (a larger batch is slower);
 //! - at most `max_batch` requests run; the rest wait in FIFO order.
+//!
 //! All durations are multiplied by `time_scale` so demos run fast.
 //!
 //! Chat template (documented, simple): for each message
