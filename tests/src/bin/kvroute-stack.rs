@@ -105,7 +105,7 @@ async fn run_demo(
     );
     let progress = |label: &'static str| {
         move |done: usize, total: usize| {
-            if done % 24 == 0 || done == total {
+            if done.is_multiple_of(24) || done == total {
                 eprint!("\r   {label}: {done}/{total} requests");
                 let _ = std::io::stderr().flush();
                 if done == total {
