@@ -368,6 +368,9 @@ pub struct PolicyConfig {
     pub queue_weight: f64,
     /// Worth of a predicted (not engine-confirmed) hit relative to a confirmed one.
     pub predicted_weight: f64,
+    /// Estimated prefill speed of a pod, tokens/s: routed prefill work is counted as
+    /// pending until it should be done at this speed (or its report arrives).
+    pub prefill_tokens_per_s: f64,
     /// Fraction of a hit's prefill cost still paid when the block is in this tier.
     pub tier_cost: BTreeMap<Tier, f64>,
     /// Multiplier (0..1] on the matched blocks of a pod whose event stream has a gap.
@@ -403,6 +406,7 @@ impl Default for PolicyConfig {
             decode_weight: 0.0,
             queue_weight: 0.0,
             predicted_weight: 0.7,
+            prefill_tokens_per_s: 10_000.0,
             tier_cost: BTreeMap::from([
                 (Tier::Gpu, 0.0),
                 (Tier::Cpu, 0.2),
@@ -446,6 +450,12 @@ impl PolicyConfig {
                     tier.as_str()
                 ));
             }
+        }
+        if !(self.prefill_tokens_per_s.is_finite() && self.prefill_tokens_per_s >= 1.0) {
+            errs.push(format!(
+                "prefill_tokens_per_s must be >= 1 (got {})",
+                self.prefill_tokens_per_s
+            ));
         }
         if !(0.0..=1.0).contains(&self.predicted_weight) {
             errs.push(format!(

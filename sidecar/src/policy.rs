@@ -30,6 +30,33 @@ pub struct LoadView {
     pub queued: u32,
 }
 
+/// When a pod's queued prefills should be done: prefills run one at a time, so each
+/// routed request pushes the horizon by `tokens / prefill_tps`. The prefill work still
+/// ahead of a new request is what is left before the horizon. Without this, load routed
+/// to a pod would count until its completion report, long after its prefill ended, and
+/// the router would shun exactly the pods whose caches it should use.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PrefillHorizon {
+    /// Seconds (on the caller's clock) when the pod's known prefills end.
+    pub until: f64,
+}
+
+impl PrefillHorizon {
+    pub fn add(&mut self, now: f64, tokens: u64, tps: f64) {
+        self.until = self.until.max(now) + tokens as f64 / tps.max(1.0);
+    }
+
+    /// Prefill tokens still ahead at `now`.
+    pub fn pending(&self, now: f64, tps: f64) -> u64 {
+        ((self.until - now).max(0.0) * tps) as u64
+    }
+
+    /// A request ended (report): whatever of its prefill is still counted goes.
+    pub fn release(&mut self, now: f64, tokens: u64, tps: f64) {
+        self.until = (self.until - tokens as f64 / tps.max(1.0)).max(now.min(self.until));
+    }
+}
+
 /// One candidate pod for a request.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Candidate {
@@ -115,6 +142,14 @@ pub fn cost(cfg: &PolicyConfig, ask: &Ask, c: &Candidate) -> Score {
     }
 }
 
+/// The key that breaks ties: the first block no candidate holds (the chain's first
+/// block for a cold prompt). Requests that share a prefix cached everywhere — a common
+/// system prompt — then spread by what follows it instead of piling onto one pod, while
+/// every replica still computes the same key.
+pub fn tie_key(chain: &[u64], deepest_match: usize) -> Option<u64> {
+    chain.get(deepest_match).or_else(|| chain.last()).copied()
+}
+
 /// Rendezvous hash of (tie key, pod key): the highest wins a tie.
 pub fn rendezvous(tie: u64, pod: u64) -> u64 {
     let mut z = tie ^ pod.rotate_left(17) ^ 0x9E37_79B9_7F4A_7C15;
@@ -132,6 +167,9 @@ pub struct Ranking {
     pub pick: usize,
 }
 
+/// Requests above the mean a pod may always take (see [`pick`]).
+const BALANCE_SLACK: f64 = 2.0;
+
 /// Score every candidate and pick one. `None` when there is no candidate.
 pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Ranking> {
     if cands.is_empty() {
@@ -139,7 +177,13 @@ pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Rankin
     }
     let total: u64 = cands.iter().map(|c| c.load.inflight as u64).sum();
     let mean = (total + 1) as f64 / cands.len() as f64;
-    let cap = ((1.0 + cfg.balance_epsilon) * mean).ceil().max(1.0) as u64;
+    // (1 + ε) × mean, but never tighter than two requests above the mean: with a handful
+    // of requests per pod the rounding alone would otherwise evict sessions from the
+    // pods that hold their caches.
+    let cap = ((1.0 + cfg.balance_epsilon) * mean)
+        .ceil()
+        .max(mean.ceil() + BALANCE_SLACK)
+        .max(1.0) as u64;
     let mut order: Vec<(usize, Score, bool)> = cands
         .iter()
         .enumerate()

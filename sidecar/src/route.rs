@@ -83,8 +83,18 @@ fn route_inner(sc: &Sidecar, req: &RouteRequest) -> Result<RouteResponse, RouteE
         (bs / 4).max(1)
     });
     let prompt_blocks = (req.chain.len() as u32).max(token_blocks);
-    let tie_key = match (req.chain.first(), &req.session, &req.request_id) {
-        (Some(h), _, _) => *h,
+    let deepest = confirmed
+        .iter()
+        .map(|m| m.depth)
+        .chain(predicted.iter().map(|m| m.depth))
+        .max()
+        .unwrap_or(0);
+    let tie_key = match (
+        policy::tie_key(&req.chain, deepest as usize),
+        &req.session,
+        &req.request_id,
+    ) {
+        (Some(h), _, _) => h,
         (None, Some(s), _) => xxhash_rust::xxh3::xxh3_64(s.as_bytes()),
         (None, None, Some(r)) => xxhash_rust::xxh3::xxh3_64(r.as_bytes()),
         _ => 0,

@@ -11,6 +11,7 @@ pub mod envoy;
 pub mod procs;
 pub mod radix;
 pub mod services;
+pub mod sim;
 pub mod stack;
 pub mod stub;
 pub mod workload;

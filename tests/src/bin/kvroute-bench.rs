@@ -41,6 +41,40 @@ enum Cmd {
         #[arg(long, default_value_t = 16)]
         pods: usize,
     },
+    /// Routing quality: simulate pods and every policy on a trace or a generated workload.
+    Sim {
+        /// A Mooncake-format trace (512-token blocks).
+        #[arg(long, conflicts_with = "workload")]
+        trace: Option<PathBuf>,
+        /// sglang-shared-prefix | llmd-prefix | multiround-qa | all
+        #[arg(long)]
+        workload: Option<String>,
+        #[arg(long, default_value_t = 8)]
+        pods: usize,
+        /// Per-pod KV cache capacity in blocks (default: 1024 for traces, 16384 generated).
+        #[arg(long)]
+        capacity_blocks: Option<usize>,
+        /// Trace time compression factor.
+        #[arg(long, default_value_t = 1.0)]
+        speedup: f64,
+        /// Arrival rate of generated workloads, requests/s (default per workload).
+        #[arg(long)]
+        rate: Option<f64>,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Comma-separated policies (default: all).
+        #[arg(long)]
+        policies: Option<String>,
+        #[arg(long)]
+        svg: Option<PathBuf>,
+        #[arg(long, default_value_t = 50.0)]
+        event_delay_ms: f64,
+        #[arg(long, default_value_t = 0.0)]
+        event_loss: f64,
+        /// Policy config JSON (default: the sidecar's defaults).
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
     /// Replay a Mooncake-format trace through the index (and the radix baseline).
     Trace {
         /// Trace file (default: ../shared/data/mooncake_synthetic_trace.jsonl).
@@ -85,6 +119,91 @@ fn main() -> anyhow::Result<()> {
                 chain_blocks,
                 pods,
             }))?
+        }
+        Cmd::Sim {
+            trace,
+            workload,
+            pods,
+            capacity_blocks,
+            speedup,
+            rate,
+            seed,
+            policies,
+            svg,
+            event_delay_ms,
+            event_loss,
+            config,
+        } => {
+            use kvroute_tests::sim::{self, Policy, SimOpts};
+            let policies: Vec<Policy> = match policies {
+                Some(p) => p
+                    .split(',')
+                    .map(|s| {
+                        Policy::parse(s.trim())
+                            .ok_or_else(|| anyhow::anyhow!("unknown policy {s:?}"))
+                    })
+                    .collect::<anyhow::Result<_>>()?,
+                None => Policy::ALL.to_vec(),
+            };
+            let config = match config {
+                Some(p) => serde_json::from_slice(&std::fs::read(p)?)?,
+                None => kvroute_shared::protocol::PolicyConfig::default(),
+            };
+            let cost = kvroute_tests::sim::default_cost();
+            let mut runs: Vec<(String, Vec<kvroute_tests::workload::Request>, u32)> = Vec::new();
+            match (trace, workload.as_deref()) {
+                (Some(path), _) => {
+                    let mut reqs = kvroute_tests::workload::load_mooncake(&path)?;
+                    for r in &mut reqs {
+                        r.ts_ms /= speedup.max(1e-9);
+                    }
+                    runs.push((
+                        path.display().to_string(),
+                        reqs,
+                        kvroute_tests::workload::MOONCAKE_BLOCK_TOKENS,
+                    ));
+                }
+                (None, Some(w)) => {
+                    let names: Vec<&str> = if w == "all" {
+                        sim::WORKLOADS.to_vec()
+                    } else {
+                        vec![w]
+                    };
+                    for n in names {
+                        let rate = rate.unwrap_or(sim::default_rate(n));
+                        let reqs = sim::generated(n, 16, rate, seed)
+                            .ok_or_else(|| anyhow::anyhow!("unknown workload {n:?}"))?;
+                        runs.push((format!("{n} @ {rate} req/s"), reqs, 16));
+                    }
+                }
+                (None, None) => anyhow::bail!("give --trace FILE or --workload NAME"),
+            }
+            let mut last = Vec::new();
+            for (label, reqs, bt) in &runs {
+                let o = SimOpts {
+                    pods,
+                    capacity_blocks: capacity_blocks.unwrap_or(if *bt == 512 {
+                        1024
+                    } else {
+                        16384
+                    }),
+                    block_tokens: *bt,
+                    cost,
+                    event_delay_s: event_delay_ms / 1e3,
+                    event_loss,
+                    seed,
+                    config: config.clone(),
+                };
+                let res = sim::compare(label, reqs, &o, &policies);
+                if let Some(p) = &svg {
+                    std::fs::write(p, sim::svg_bars(&format!("TTFT by policy: {label}"), &res))?;
+                }
+                last = res;
+            }
+            for r in &last[..last.len().saturating_sub(1)] {
+                println!("{}", r.json());
+            }
+            last.last().map(|r| r.json()).unwrap_or_default()
         }
         Cmd::Trace {
             file,

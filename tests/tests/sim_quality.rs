@@ -1,0 +1,71 @@
+//! The routing-quality guard: on every built-in workload (and the Mooncake trace), the
+//! default kvroute policy must not be worse than round-robin on mean and p99 TTFT, and
+//! must keep max/mean pod load within bounds. Deterministic (virtual time, seeded).
+
+use kvroute_shared::protocol::PolicyConfig;
+use kvroute_tests::sim::{self, Policy, SimOpts};
+
+fn opts(block_tokens: u32, capacity: usize) -> SimOpts {
+    SimOpts {
+        pods: 8,
+        capacity_blocks: capacity,
+        block_tokens,
+        cost: sim::default_cost(),
+        event_delay_s: 0.05,
+        event_loss: 0.0,
+        seed: 1,
+        config: PolicyConfig::default(),
+    }
+}
+
+fn check(label: &str, reqs: &[kvroute_tests::workload::Request], o: &SimOpts) {
+    let r = sim::compare(label, reqs, o, &[Policy::Kvroute, Policy::RoundRobin]);
+    let (kv, rr) = (&r[0], &r[1]);
+    assert!(
+        kv.ttft_mean_ms <= rr.ttft_mean_ms,
+        "{label}: mean TTFT {} > round-robin {}",
+        kv.ttft_mean_ms,
+        rr.ttft_mean_ms
+    );
+    assert!(
+        kv.ttft_p99_ms <= rr.ttft_p99_ms * 1.001,
+        "{label}: p99 TTFT {} > round-robin {}",
+        kv.ttft_p99_ms,
+        rr.ttft_p99_ms
+    );
+    assert!(
+        kv.hit_rate > rr.hit_rate,
+        "{label}: hit rate {} <= round-robin {}",
+        kv.hit_rate,
+        rr.hit_rate
+    );
+    assert!(
+        kv.max_mean_load <= 1.5,
+        "{label}: max/mean load {}",
+        kv.max_mean_load
+    );
+}
+
+#[test]
+fn default_policy_beats_round_robin_on_every_builtin_workload() {
+    for w in sim::WORKLOADS {
+        let reqs = sim::generated(w, 16, sim::default_rate(w), 1).expect("workload");
+        check(w, &reqs, &opts(16, 16384));
+    }
+}
+
+#[test]
+fn default_policy_beats_round_robin_on_the_mooncake_trace() {
+    let path = kvroute_tests::workload::default_trace();
+    let reqs = kvroute_tests::workload::load_mooncake(&path)
+        .expect("../shared/data/mooncake_synthetic_trace.jsonl");
+    check("mooncake", &reqs, &opts(512, 1024));
+}
+
+#[test]
+fn the_simulation_is_deterministic() {
+    let reqs = sim::generated("multiround-qa", 16, 10.0, 5).expect("workload");
+    let a = sim::simulate(&reqs, &opts(16, 4096), Policy::Kvroute);
+    let b = sim::simulate(&reqs, &opts(16, 4096), Policy::Kvroute);
+    assert_eq!(a.json(), b.json());
+}
