@@ -1,0 +1,99 @@
+//! The Istio and Envoy Gateway manifests users copy: valid YAML, the right kinds, and
+//! the settings kvroute cannot work without (the wasm filter's
+//! `allow_on_headers_stop_iteration`, FAIL_OPEN, the sidecar socket, override-host with a
+//! fallback), and the embedded filter configuration is one the filter accepts.
+
+use serde_yaml::Value;
+
+fn docs(path: &str) -> Vec<Value> {
+    let text = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join(path),
+    )
+    .expect(path);
+    serde_yaml::Deserializer::from_str(&text)
+        .map(|d| serde::Deserialize::deserialize(d).expect("valid YAML"))
+        .collect()
+}
+
+fn find<'a>(v: &'a Value, key: &str, out: &mut Vec<&'a Value>) {
+    match v {
+        Value::Mapping(m) => {
+            for (k, val) in m {
+                if k.as_str() == Some(key) {
+                    out.push(val);
+                }
+                find(val, key, out);
+            }
+        }
+        Value::Sequence(s) => s.iter().for_each(|x| find(x, key, out)),
+        _ => {}
+    }
+}
+
+fn all<'a>(v: &'a [Value], key: &str) -> Vec<&'a Value> {
+    let mut out = Vec::new();
+    v.iter().for_each(|d| find(d, key, &mut out));
+    out
+}
+
+fn filter_config_ok(ds: &[Value]) {
+    let values: Vec<String> = all(ds, "configuration")
+        .iter()
+        .filter_map(|c| c["value"].as_str().map(str::to_string))
+        .collect();
+    assert!(!values.is_empty());
+    for v in values {
+        kvroute_filter::config::FilterConfig::parse(Some(v.as_bytes()))
+            .expect("filter config valid");
+    }
+}
+
+#[test]
+fn istio_manifests() {
+    let ef = docs("envoy/istio/kvroute-envoyfilter.yaml");
+    assert_eq!(ef[0]["kind"], "EnvoyFilter");
+    assert_eq!(
+        all(&ef, "allow_on_headers_stop_iteration")[0].as_bool(),
+        Some(true)
+    );
+    assert_eq!(all(&ef, "failure_policy")[0].as_str(), Some("FAIL_OPEN"));
+    assert_eq!(
+        all(&ef, "runtime")[0].as_str(),
+        Some("envoy.wasm.runtime.v8")
+    );
+    assert!(all(&ef, "path")
+        .iter()
+        .any(|p| p.as_str() == Some("/var/run/kvroute/sidecar.sock")));
+    assert!(!all(&ef, "fallback_policy").is_empty());
+    filter_config_ok(&ef);
+    let patch = docs("envoy/istio/kvroute-sidecar.yaml");
+    let args: Vec<&str> = all(&patch, "args")[0]
+        .as_sequence()
+        .expect("args")
+        .iter()
+        .filter_map(|a| a.as_str())
+        .collect();
+    assert!(args.contains(&"--uds=/var/run/kvroute/sidecar.sock"));
+    assert!(
+        args.iter().any(|a| a.starts_with("--listen=127.0.0.1")),
+        "admin API on loopback"
+    );
+}
+
+#[test]
+fn envoy_gateway_manifests() {
+    let ds = docs("envoy/gateway/kvroute-envoypatchpolicy.yaml");
+    let kinds: Vec<&str> = ds.iter().filter_map(|d| d["kind"].as_str()).collect();
+    assert_eq!(
+        kinds,
+        ["EnvoyPatchPolicy", "BackendTrafficPolicy", "EnvoyProxy"]
+    );
+    assert_eq!(
+        all(&ds, "allow_on_headers_stop_iteration")[0].as_bool(),
+        Some(true)
+    );
+    assert!(!all(&ds, "endpointOverride").is_empty());
+    filter_config_ok(&ds);
+}
