@@ -27,6 +27,7 @@ struct Metrics {
     routed: Option<u32>,
     skipped: Vec<(Skip, Option<u32>)>,
     callout_us: Option<u32>,
+    prepare_us: Option<u32>,
     body_bytes: Option<u32>,
     reports: Option<u32>,
 }
@@ -41,6 +42,7 @@ impl Metrics {
                 .map(|s| (*s, counter(&format!("kvroute_fail_open_{}", s.as_str()))))
                 .collect(),
             callout_us: hostcalls::define_metric(MetricType::Histogram, "kvroute_callout_us").ok(),
+            prepare_us: hostcalls::define_metric(MetricType::Histogram, "kvroute_prepare_us").ok(),
             body_bytes: counter("kvroute_body_bytes"),
             reports: counter("kvroute_reports"),
         }
@@ -127,6 +129,7 @@ enum State {
         sent: Option<SystemTime>,
         model: String,
         request_id: String,
+        prepare_us: u64,
     },
     /// The request went on (steered or not); watch the response for `usage`.
     Forwarded {
@@ -136,6 +139,8 @@ enum State {
         status: u16,
         tail: Tail,
         start: Option<SystemTime>,
+        /// Time spent parsing and chaining the body (debug header, metric).
+        prepare_us: u64,
     },
 }
 
@@ -155,6 +160,16 @@ fn now() -> Option<SystemTime> {
     hostcalls::get_current_time().ok()
 }
 
+fn micros_since(t0: Option<SystemTime>) -> u64 {
+    match (t0, now()) {
+        (Some(a), Some(b)) => b
+            .duration_since(a)
+            .map(|d| d.as_micros().min(u64::MAX as u128) as u64)
+            .unwrap_or(0),
+        _ => 0,
+    }
+}
+
 impl Http {
     fn forward(
         &mut self,
@@ -162,6 +177,7 @@ impl Http {
         model: String,
         request_id: String,
         steered: Option<logic::Steer>,
+        prepare_us: u64,
     ) {
         let start = now();
         let tail = Tail::new(sh.cfg.usage_window_bytes);
@@ -172,6 +188,7 @@ impl Http {
             status: 0,
             tail,
             start,
+            prepare_us,
         };
     }
 }
@@ -192,6 +209,7 @@ impl Context for Http {
             sent,
             model,
             request_id,
+            prepare_us,
         } = std::mem::replace(&mut self.state, State::PassThrough)
         else {
             return;
@@ -236,7 +254,7 @@ impl Context for Http {
                 None
             }
         };
-        self.forward(&sh, model, request_id, steered);
+        self.forward(&sh, model, request_id, steered, prepare_us);
         let _ = hostcalls::resume_http_request();
     }
 }
@@ -294,6 +312,7 @@ impl HttpContext for Http {
             .flatten()
             .unwrap_or_default();
         let rid = request_id.clone().unwrap_or_default();
+        let t0 = now();
         let prepared = match logic::prepare(
             &sh.cfg,
             path,
@@ -309,6 +328,10 @@ impl HttpContext for Http {
             }
         };
         drop(body);
+        let prepare_us = micros_since(t0);
+        if let Some(id) = sh.metrics.prepare_us {
+            let _ = hostcalls::record_metric(id, prepare_us);
+        }
         let content_type = if prepared.binary {
             kvroute_shared::protocol::ROUTE_BINARY_CONTENT_TYPE
         } else {
@@ -334,12 +357,13 @@ impl HttpContext for Http {
                     sent: now(),
                     model: prepared.model,
                     request_id: rid,
+                    prepare_us,
                 };
                 Action::Pause
             }
             Err(_) => {
                 sh.metrics.skip(Skip::DispatchFailed);
-                self.forward(&sh, prepared.model, rid, None);
+                self.forward(&sh, prepared.model, rid, None, prepare_us);
                 Action::Continue
             }
         }
@@ -350,13 +374,22 @@ impl HttpContext for Http {
             return Action::Continue;
         };
         if let State::Forwarded {
-            status, steered, ..
+            status,
+            steered,
+            prepare_us,
+            ..
         } = &mut self.state
         {
             *status = header(MapType::HttpResponseHeaders, ":status")
                 .and_then(|s| s.parse().ok())
                 .unwrap_or(0);
             if sh.cfg.debug_headers {
+                let p = prepare_us.to_string();
+                let _ = hostcalls::set_map_value(
+                    MapType::HttpResponseHeaders,
+                    "x-kvroute-prepare-us",
+                    Some(&p),
+                );
                 if let Some(s) = steered {
                     let _ = hostcalls::set_map_value(
                         MapType::HttpResponseHeaders,
@@ -401,6 +434,7 @@ impl HttpContext for Http {
             status,
             tail,
             start,
+            ..
         } = &self.state
         else {
             return;

@@ -2,6 +2,7 @@
 //! JSON object that the binary prints as its last line, so scripts can read the figures.
 //! Ratios against baselines are measured in the same process on the same data.
 
+pub mod filter;
 pub mod index;
 pub mod route;
 pub mod trace;

@@ -30,6 +30,11 @@ enum Cmd {
         #[arg(long, default_value_t = 200_000)]
         lookups: usize,
     },
+    /// Latency the filter and sidecar add in a real Envoy; the filter's own time in v8.
+    Filter {
+        #[arg(long, default_value_t = 1000)]
+        requests: usize,
+    },
     /// Route decisions per second over the sidecar's Unix socket and TCP.
     Route {
         #[arg(long, default_value_t = 8)]
@@ -103,6 +108,13 @@ fn main() -> anyhow::Result<()> {
             lookups,
             seed: 7,
         }),
+        Cmd::Filter { requests } => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?;
+            rt.block_on(bench::filter::run(&bench::filter::Opts { requests }))?
+        }
         Cmd::Route {
             clients,
             seconds,

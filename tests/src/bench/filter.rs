@@ -1,0 +1,117 @@
+//! `kvroute-bench filter`: what the filter and the sidecar add to a request, measured in
+//! one run against the same upstream — plain Envoy vs Envoy + filter + sidecar (Unix
+//! socket) — for a 4 KB and a 256 KB prompt, requests alternating between the two so
+//! drift hits both alike; and the filter's own time inside v8 (parse + canonicalize +
+//! chain) for a 128k-token prompt, read from its debug header.
+
+use std::time::Instant;
+
+use serde_json::json;
+
+use super::Samples;
+use crate::client::Api;
+use crate::envoy::{Envoy, EnvoyLayout, Fallback, SidecarAddr};
+use crate::services::SidecarProc;
+use crate::stub::StubPod;
+
+pub struct Opts {
+    pub requests: usize,
+}
+
+pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
+    let wasm = crate::wasm_path();
+    anyhow::ensure!(wasm.exists(), "build the filter first: make wasm");
+    let wasm_bytes = std::fs::metadata(&wasm)?.len();
+    let pod = StubPod::start("a").await?;
+    let sc = SidecarProc::start(&[], true)?;
+    let api = Api::new(sc.addr);
+    api.register(&pod.addr.to_string(), "m").await;
+    let layout = |with_filter: bool| EnvoyLayout {
+        listen_port: 0,
+        sidecar: SidecarAddr::Uds(sc.uds.clone().unwrap_or_default()),
+        engines: vec![pod.addr],
+        wasm_path: wasm.clone(),
+        filter_config: json!({"timeout_ms": 100, "default_model": {"block_size": 16}, "debug_headers": true,
+                              "max_body_bytes": 16 << 20}),
+        with_filter,
+        fallback: Fallback::RoundRobin,
+        access_log: false,
+    };
+    let (l1, l2) = (layout(false), layout(true));
+    let plain = tokio::task::spawn_blocking(move || Envoy::start(&l1)).await??;
+    let kv = tokio::task::spawn_blocking(move || Envoy::start(&l2)).await??;
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(4)
+        .build()?;
+    println!("kvroute-bench filter: plain Envoy vs Envoy + kvroute filter + sidecar (UDS), same upstream; wasm {wasm_bytes} bytes");
+    let mut out = json!({"wasm_bytes": wasm_bytes});
+    for (label, bytes, n) in [
+        ("4k", 4 << 10, o.requests),
+        ("256k", 256 << 10, (o.requests / 5).max(50)),
+    ] {
+        let text: String = "The quick brown fox jumps over the lazy dog. ".repeat(bytes / 45 + 1)
+            [..bytes]
+            .to_string();
+        let body = serde_json::to_vec(&json!({"model": "m", "prompt": text, "max_tokens": 1}))?;
+        let (mut a, mut b) = (Samples::default(), Samples::default());
+        for i in 0..n + 20 {
+            for (e, s) in [(&plain, &mut a), (&kv, &mut b)] {
+                let t = Instant::now();
+                let r = http
+                    .post(e.url("/v1/completions"))
+                    .body(body.clone())
+                    .send()
+                    .await?;
+                anyhow::ensure!(r.status().is_success(), "status {}", r.status());
+                let _ = r.bytes().await?;
+                if i >= 20 {
+                    s.push(t.elapsed().as_nanos() as u64);
+                }
+            }
+        }
+        let (a50, a99, b50, b99) = (a.pct(50.0), a.pct(99.0), b.pct(50.0), b.pct(99.0));
+        let added50 = b50.saturating_sub(a50) as f64 / 1e3;
+        let added99 = b99.saturating_sub(a99) as f64 / 1e3;
+        println!(
+            "  {label:>4} prompt: plain p50 {:.0} us p99 {:.0} us; with kvroute p50 {:.0} us p99 {:.0} us; added p50 {added50:.0} us, p99 {added99:.0} us",
+            a50 as f64 / 1e3,
+            a99 as f64 / 1e3,
+            b50 as f64 / 1e3,
+            b99 as f64 / 1e3
+        );
+        out[format!("plain_p50_us_{label}")] = json!(a50 as f64 / 1e3);
+        out[format!("kvroute_p50_us_{label}")] = json!(b50 as f64 / 1e3);
+        out[format!("added_p50_us_{label}")] = json!(added50);
+        out[format!("added_p99_us_{label}")] = json!(added99);
+    }
+    // The filter's own work for a 128k-token prompt (token ids: ~700 KB of JSON).
+    let toks: Vec<u32> = (0..131_072u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) % 200_000)
+        .collect();
+    let body = serde_json::to_vec(&json!({"model": "m", "prompt": toks, "max_tokens": 1}))?;
+    let mut prep = Samples::default();
+    for _ in 0..20 {
+        let r = http
+            .post(kv.url("/v1/completions"))
+            .body(body.clone())
+            .send()
+            .await?;
+        if let Some(us) = r
+            .headers()
+            .get("x-kvroute-prepare-us")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok())
+        {
+            prep.push(us);
+        }
+        let _ = r.bytes().await?;
+    }
+    let chain_us = prep.pct(50.0);
+    println!(
+        "  filter time in v8 for a 128k-token prompt ({} KB JSON): parse + chain p50 {chain_us} us",
+        body.len() >> 10
+    );
+    out["chain_128k_tokens_us"] = json!(chain_us);
+    out["prompt_128k_json_bytes"] = json!(body.len());
+    Ok(out)
+}
