@@ -1,0 +1,138 @@
+//! Hostile and malformed input: the body parser, the event decoder and the config
+//! validator never panic, never hang, and answer with a reason — on random bytes, random
+//! JSON of the right shape with wrong types, and the classic attack bodies.
+
+use std::time::{Duration, Instant};
+
+use kvroute_shared::canon::{parse, AdapterRule, Endpoint};
+use kvroute_shared::protocol::{EventBatch, PolicyConfig, RouteRequest};
+use proptest::prelude::*;
+
+fn arb_json() -> impl Strategy<Value = serde_json::Value> {
+    let leaf = prop_oneof![
+        Just(serde_json::Value::Null),
+        any::<bool>().prop_map(serde_json::Value::from),
+        any::<i64>().prop_map(serde_json::Value::from),
+        any::<f64>().prop_filter("finite", |f| f.is_finite()).prop_map(serde_json::Value::from),
+        ".{0,12}".prop_map(serde_json::Value::from),
+    ];
+    leaf.prop_recursive(4, 48, 6, |inner| {
+        prop_oneof![
+            proptest::collection::vec(inner.clone(), 0..6).prop_map(serde_json::Value::from),
+            proptest::collection::btree_map(
+                prop_oneof![
+                    Just("model".to_string()),
+                    Just("prompt".to_string()),
+                    Just("messages".to_string()),
+                    Just("content".to_string()),
+                    Just("role".to_string()),
+                    Just("type".to_string()),
+                    Just("events".to_string()),
+                    Just("blocks".to_string()),
+                    "[a-z_]{1,8}"
+                ],
+                inner,
+                0..5
+            )
+            .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
+        ]
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(3000))]
+
+    #[test]
+    fn parsers_survive_random_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        for ep in [Endpoint::Completions, Endpoint::ChatCompletions] {
+            if let Ok(r) = parse(ep, &bytes) {
+                let _ = r.chain(&AdapterRule::default(), 16);
+            }
+        }
+        let _ = EventBatch::decode(&bytes);
+        let _ = serde_json::from_slice::<PolicyConfig>(&bytes).map(|c| c.validate());
+        let _ = RouteRequest::decode_binary(&bytes);
+    }
+
+    #[test]
+    fn parsers_survive_json_of_the_wrong_shape(v in arb_json()) {
+        let bytes = serde_json::to_vec(&v).unwrap_or_default();
+        for ep in [Endpoint::Completions, Endpoint::ChatCompletions] {
+            if let Ok(r) = parse(ep, &bytes) {
+                let c = r.chain(&AdapterRule::default(), 4);
+                prop_assert!(c.chain.len() <= bytes.len());
+            }
+        }
+        let _ = EventBatch::decode(&bytes);
+        let _ = serde_json::from_slice::<PolicyConfig>(&bytes).map(|c| c.validate());
+    }
+}
+
+fn timed<T>(what: &str, limit: Duration, f: impl FnOnce() -> T) -> T {
+    let t = Instant::now();
+    let r = f();
+    let e = t.elapsed();
+    println!("{what}: {e:?}");
+    assert!(e < limit, "{what} took {e:?}");
+    r
+}
+
+#[test]
+fn classic_attack_bodies() {
+    let limit = Duration::from_secs(20);
+    // Deep nesting: refused by serde_json's recursion limit, not a stack overflow.
+    let deep = format!("{{\"model\":\"m\",\"messages\":{}", "[".repeat(1_000_000));
+    assert!(timed("1M-deep nesting", limit, || parse(Endpoint::ChatCompletions, deep.as_bytes()).is_err()));
+    // Invalid UTF-8 inside a string.
+    let mut bad = br#"{"model":"m","prompt":""#.to_vec();
+    bad.extend_from_slice(&[0xff, 0xfe, 0xfd]);
+    bad.extend_from_slice(br#""}"#);
+    assert!(parse(Endpoint::Completions, &bad).is_err());
+    // A 100 MB prompt: parsed borrowed, chained once.
+    let big = format!("{{\"model\":\"m\",\"prompt\":\"{}\"}}", "a".repeat(100 << 20));
+    let n = timed("100 MB prompt", limit, || {
+        parse(Endpoint::Completions, big.as_bytes()).map(|r| r.chain(&AdapterRule::default(), 256).chain.len())
+    });
+    assert_eq!(n, Ok((100 << 20) / 256));
+    drop(big);
+    // One million tiny messages.
+    let mut msgs = String::from("{\"model\":\"m\",\"messages\":[");
+    for i in 0..1_000_000 {
+        if i > 0 {
+            msgs.push(',');
+        }
+        msgs.push_str("{\"role\":\"user\",\"content\":\"x\"}");
+    }
+    msgs.push_str("]}");
+    let n = timed("1M tiny messages", limit, || {
+        parse(Endpoint::ChatCompletions, msgs.as_bytes()).map(|r| r.chain(&AdapterRule::default(), 256).chain.len())
+    });
+    assert!(n.is_ok_and(|n| n > 0));
+    drop(msgs);
+    // A giant token array (4M tokens) and one with a token out of range at the end.
+    let toks = (0..4_000_000u32).map(|t| t.to_string()).collect::<Vec<_>>().join(",");
+    let body = format!("{{\"model\":\"m\",\"prompt\":[{toks}]}}");
+    let n = timed("4M-token prompt", limit, || parse(Endpoint::Completions, body.as_bytes()).map(|r| r.chain(&AdapterRule::default(), 16).chain.len()));
+    assert_eq!(n, Ok(250_000));
+    let body = format!("{{\"model\":\"m\",\"prompt\":[{toks},4294967296]}}");
+    assert!(parse(Endpoint::Completions, body.as_bytes()).is_err());
+    // Wrong types everywhere.
+    for b in [r#"{"model":5,"prompt":"x"}"#, r#"{"prompt":{"a":1}}"#, r#"{"messages":"hi"}"#, r#"{"messages":[{"content":5}]}"#, r#"{"prompt":[true]}"#, r#"{"stream":"yes","prompt":"x"}"#] {
+        let _ = parse(Endpoint::Completions, b.as_bytes());
+        let _ = parse(Endpoint::ChatCompletions, b.as_bytes());
+    }
+    // An event batch with an absurd declared size is bounded by what was actually sent.
+    let huge = format!("{{\"v\":1,\"pod\":\"p:1\",\"model\":\"m\",\"epoch\":\"e\",\"seq\":1,\"events\":[{{\"type\":\"stored\",\"blocks\":[{}]}}]}}", (0..1_000_000).map(|i: u64| i.to_string()).collect::<Vec<_>>().join(","));
+    let b = timed("1M-block event batch", limit, || EventBatch::decode(huge.as_bytes()));
+    assert!(b.is_ok());
+}
+
+#[test]
+fn different_salts_never_share_a_block() {
+    let tok: Vec<u32> = (0..4096).collect();
+    let a = kvroute_shared::Namespace { mode: kvroute_shared::Mode::Tokens, block_size: 16, model: "m", adapter: "", cache_salt: "tenant-a" };
+    let b = kvroute_shared::Namespace { cache_salt: "tenant-b", ..a };
+    let (ca, cb) = (a.chain_tokens(&tok), b.chain_tokens(&tok));
+    let sa: std::collections::HashSet<u64> = ca.into_iter().collect();
+    assert!(cb.iter().all(|h| !sa.contains(h)));
+}
