@@ -13,7 +13,9 @@ fn arb_json() -> impl Strategy<Value = serde_json::Value> {
         Just(serde_json::Value::Null),
         any::<bool>().prop_map(serde_json::Value::from),
         any::<i64>().prop_map(serde_json::Value::from),
-        any::<f64>().prop_filter("finite", |f| f.is_finite()).prop_map(serde_json::Value::from),
+        any::<f64>()
+            .prop_filter("finite", |f| f.is_finite())
+            .prop_map(serde_json::Value::from),
         ".{0,12}".prop_map(serde_json::Value::from),
     ];
     leaf.prop_recursive(4, 48, 6, |inner| {
@@ -82,16 +84,24 @@ fn classic_attack_bodies() {
     let limit = Duration::from_secs(20);
     // Deep nesting: refused by serde_json's recursion limit, not a stack overflow.
     let deep = format!("{{\"model\":\"m\",\"messages\":{}", "[".repeat(1_000_000));
-    assert!(timed("1M-deep nesting", limit, || parse(Endpoint::ChatCompletions, deep.as_bytes()).is_err()));
+    assert!(timed("1M-deep nesting", limit, || parse(
+        Endpoint::ChatCompletions,
+        deep.as_bytes()
+    )
+    .is_err()));
     // Invalid UTF-8 inside a string.
     let mut bad = br#"{"model":"m","prompt":""#.to_vec();
     bad.extend_from_slice(&[0xff, 0xfe, 0xfd]);
     bad.extend_from_slice(br#""}"#);
     assert!(parse(Endpoint::Completions, &bad).is_err());
     // A 100 MB prompt: parsed borrowed, chained once.
-    let big = format!("{{\"model\":\"m\",\"prompt\":\"{}\"}}", "a".repeat(100 << 20));
+    let big = format!(
+        "{{\"model\":\"m\",\"prompt\":\"{}\"}}",
+        "a".repeat(100 << 20)
+    );
     let n = timed("100 MB prompt", limit, || {
-        parse(Endpoint::Completions, big.as_bytes()).map(|r| r.chain(&AdapterRule::default(), 256).chain.len())
+        parse(Endpoint::Completions, big.as_bytes())
+            .map(|r| r.chain(&AdapterRule::default(), 256).chain.len())
     });
     assert_eq!(n, Ok((100 << 20) / 256));
     drop(big);
@@ -105,33 +115,58 @@ fn classic_attack_bodies() {
     }
     msgs.push_str("]}");
     let n = timed("1M tiny messages", limit, || {
-        parse(Endpoint::ChatCompletions, msgs.as_bytes()).map(|r| r.chain(&AdapterRule::default(), 256).chain.len())
+        parse(Endpoint::ChatCompletions, msgs.as_bytes())
+            .map(|r| r.chain(&AdapterRule::default(), 256).chain.len())
     });
     assert!(n.is_ok_and(|n| n > 0));
     drop(msgs);
     // A giant token array (4M tokens) and one with a token out of range at the end.
-    let toks = (0..4_000_000u32).map(|t| t.to_string()).collect::<Vec<_>>().join(",");
+    let toks = (0..4_000_000u32)
+        .map(|t| t.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
     let body = format!("{{\"model\":\"m\",\"prompt\":[{toks}]}}");
-    let n = timed("4M-token prompt", limit, || parse(Endpoint::Completions, body.as_bytes()).map(|r| r.chain(&AdapterRule::default(), 16).chain.len()));
+    let n = timed("4M-token prompt", limit, || {
+        parse(Endpoint::Completions, body.as_bytes())
+            .map(|r| r.chain(&AdapterRule::default(), 16).chain.len())
+    });
     assert_eq!(n, Ok(250_000));
     let body = format!("{{\"model\":\"m\",\"prompt\":[{toks},4294967296]}}");
     assert!(parse(Endpoint::Completions, body.as_bytes()).is_err());
     // Wrong types everywhere.
-    for b in [r#"{"model":5,"prompt":"x"}"#, r#"{"prompt":{"a":1}}"#, r#"{"messages":"hi"}"#, r#"{"messages":[{"content":5}]}"#, r#"{"prompt":[true]}"#, r#"{"stream":"yes","prompt":"x"}"#] {
+    for b in [
+        r#"{"model":5,"prompt":"x"}"#,
+        r#"{"prompt":{"a":1}}"#,
+        r#"{"messages":"hi"}"#,
+        r#"{"messages":[{"content":5}]}"#,
+        r#"{"prompt":[true]}"#,
+        r#"{"stream":"yes","prompt":"x"}"#,
+    ] {
         let _ = parse(Endpoint::Completions, b.as_bytes());
         let _ = parse(Endpoint::ChatCompletions, b.as_bytes());
     }
     // An event batch with an absurd declared size is bounded by what was actually sent.
     let huge = format!("{{\"v\":1,\"pod\":\"p:1\",\"model\":\"m\",\"epoch\":\"e\",\"seq\":1,\"events\":[{{\"type\":\"stored\",\"blocks\":[{}]}}]}}", (0..1_000_000).map(|i: u64| i.to_string()).collect::<Vec<_>>().join(","));
-    let b = timed("1M-block event batch", limit, || EventBatch::decode(huge.as_bytes()));
+    let b = timed("1M-block event batch", limit, || {
+        EventBatch::decode(huge.as_bytes())
+    });
     assert!(b.is_ok());
 }
 
 #[test]
 fn different_salts_never_share_a_block() {
     let tok: Vec<u32> = (0..4096).collect();
-    let a = kvroute_shared::Namespace { mode: kvroute_shared::Mode::Tokens, block_size: 16, model: "m", adapter: "", cache_salt: "tenant-a" };
-    let b = kvroute_shared::Namespace { cache_salt: "tenant-b", ..a };
+    let a = kvroute_shared::Namespace {
+        mode: kvroute_shared::Mode::Tokens,
+        block_size: 16,
+        model: "m",
+        adapter: "",
+        cache_salt: "tenant-a",
+    };
+    let b = kvroute_shared::Namespace {
+        cache_salt: "tenant-b",
+        ..a
+    };
     let (ca, cb) = (a.chain_tokens(&tok), b.chain_tokens(&tok));
     let sa: std::collections::HashSet<u64> = ca.into_iter().collect();
     assert!(cb.iter().all(|h| !sa.contains(h)));

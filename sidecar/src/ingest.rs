@@ -24,6 +24,7 @@ use crate::state::{ResyncJob, Sidecar};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum IngestError {
     Unregistered(String),
+    Removed(String),
     ModelMismatch {
         pod: String,
         registered: String,
@@ -36,6 +37,7 @@ impl IngestError {
     pub fn reason(&self) -> &'static str {
         match self {
             IngestError::Unregistered(_) => "unregistered_pod",
+            IngestError::Removed(_) => "removed_pod",
             IngestError::ModelMismatch { .. } => "model_mismatch",
             IngestError::Full(_) => "model_full",
         }
@@ -59,6 +61,10 @@ impl std::fmt::Display for IngestError {
                 )
             }
             IngestError::Full(m) => f.write_str(m),
+            IngestError::Removed(p) => write!(
+                f,
+                "pod {p} was removed; its events are refused until it restarts (new epoch) or is registered again"
+            ),
         }
     }
 }
@@ -130,6 +136,15 @@ fn ingest_inner(
     let lock = locks.get(&b.pod);
     let _serial = lock.lock();
     let mut out = Ingested::default();
+    {
+        let mut t = sc.tombstones.lock();
+        if let Some(epoch) = t.get(b.pod.as_str()) {
+            if epoch.is_none() || epoch.as_deref() == Some(b.epoch.as_str()) {
+                return Err(IngestError::Removed(b.pod.clone()));
+            }
+            t.remove(b.pod.as_str());
+        }
+    }
     let index = sc.index(&b.model);
 
     // Position in the pod's stream, under the registry lock (short).
@@ -173,8 +188,14 @@ fn ingest_inner(
                 return Ok(out);
             }
             Some(last) if b.seq > last + 1 => out.gap = true,
-            // First batch we see of this epoch, not its first: we missed the start.
-            None if b.seq > 0 && !out.restarted && pod.events_seen => out.gap = true,
+            // First batch we see of this epoch, not its first: we missed the start (our
+            // own restart, or the engine's early batches). Resync when a dump is known.
+            None if b.seq > 0
+                && !out.restarted
+                && (pod.events_seen || pod.reg.dump_url.is_some()) =>
+            {
+                out.gap = true
+            }
             _ => {}
         }
         pod.last_seq = Some(b.seq);

@@ -63,6 +63,10 @@ pub struct Sidecar {
     pub pods: Mutex<Pods>,
     config: RwLock<Arc<PolicyConfig>>,
     pub decisions: Mutex<HashMap<String, Decision>>,
+    /// Pods removed by an operator or by their own shutdown event, with the epoch they had:
+    /// their events are refused until a new epoch (engine restart) or a new registration,
+    /// so a deleted pod does not come back with its next load report.
+    pub tombstones: Mutex<HashMap<String, Option<String>>>,
     pub metrics: Metrics,
     cleanup_tx: mpsc::UnboundedSender<CleanupJob>,
     pub resync_tx: mpsc::UnboundedSender<ResyncJob>,
@@ -101,6 +105,7 @@ impl Sidecar {
             pods: Mutex::new(Pods::new()),
             config: RwLock::new(Arc::new(cfg)),
             decisions: Mutex::new(HashMap::new()),
+            tombstones: Mutex::new(HashMap::new()),
             metrics,
             cleanup_tx,
             resync_tx,
@@ -174,6 +179,7 @@ impl Sidecar {
             return Err(format!("pod id {id:?} must be host:port"));
         }
         let now = Instant::now();
+        self.tombstones.lock().remove(id);
         let moved = {
             let mut pods = self.pods.lock();
             match pods.get_mut(id) {
@@ -205,6 +211,11 @@ impl Sidecar {
         let Some(pod) = self.pods.lock().remove(id) else {
             return false;
         };
+        if reason != "liveness" {
+            self.tombstones
+                .lock()
+                .insert(id.to_string(), pod.epoch.clone());
+        }
         self.drop_from_index(&pod.reg.model, id);
         self.decisions.lock().retain(|_, d| &*d.pod != id);
         self.metrics.pods_removed.inc(reason, 1);

@@ -69,6 +69,7 @@ impl Nats {
 pub struct SidecarProc {
     pub addr: SocketAddr,
     pub uds: Option<PathBuf>,
+    args: Vec<String>,
     child: Child,
     log: PathBuf,
     pub dir: tempfile::TempDir,
@@ -82,39 +83,61 @@ impl SidecarProc {
     /// Start with extra `serve` arguments; `--listen` is a free port, and `uds` a socket in
     /// a temporary directory when asked.
     pub fn start(args: &[&str], uds: bool) -> anyhow::Result<SidecarProc> {
+        let dir = tempfile::tempdir()?;
+        let log = dir.path().join("sidecar.log");
+        let sock = uds.then(|| dir.path().join("sidecar.sock"));
+        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        let (child, addr) = Self::spawn(&args, sock.as_deref(), &log)?;
+        Ok(SidecarProc {
+            addr,
+            uds: sock,
+            args,
+            child,
+            log,
+            dir,
+        })
+    }
+
+    fn spawn(
+        args: &[String],
+        sock: Option<&Path>,
+        log: &Path,
+    ) -> anyhow::Result<(Child, SocketAddr)> {
         let bin = sidecar_bin();
         anyhow::ensure!(
             bin.exists(),
             "{} missing: build the workspace first (cargo build)",
             bin.display()
         );
-        let dir = tempfile::tempdir()?;
-        let log = dir.path().join("sidecar.log");
-        let sock = uds.then(|| dir.path().join("sidecar.sock"));
+        let _ = std::fs::remove_file(log);
         let mut cmd = Command::new(&bin);
         cmd.arg("serve")
             .arg("--listen")
             .arg("127.0.0.1:0")
             .args(args)
             .env("KVROUTE_LOG", "info");
-        if let Some(s) = &sock {
+        if let Some(s) = sock {
             cmd.arg("--uds").arg(s);
         }
-        let child = Child::spawn("kvroute-sidecar", &mut cmd, Some(&log))?;
+        let child = Child::spawn("kvroute-sidecar", &mut cmd, Some(log))?;
         let addr =
-            wait_until(Duration::from_secs(10), || listening_addr(&log)).with_context(|| {
+            wait_until(Duration::from_secs(10), || listening_addr(log)).with_context(|| {
                 format!(
                     "sidecar did not start: {}",
-                    std::fs::read_to_string(&log).unwrap_or_default()
+                    std::fs::read_to_string(log).unwrap_or_default()
                 )
             })?;
-        Ok(SidecarProc {
-            addr,
-            uds: sock,
-            child,
-            log,
-            dir,
-        })
+        Ok((child, addr))
+    }
+
+    /// Start again with the same arguments and the same Unix socket (Envoy's cluster
+    /// keeps pointing at it); the TCP port may change.
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        self.child.kill();
+        let (child, addr) = Self::spawn(&self.args, self.uds.as_deref(), &self.log)?;
+        self.child = child;
+        self.addr = addr;
+        Ok(())
     }
 
     pub fn url(&self, path: &str) -> String {

@@ -86,12 +86,24 @@ pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
     }
     // Where the added time goes: the callout round trip as the filter sees it, and the
     // sidecar's own route time.
-    let stats = crate::envoy::http_get(&format!("http://{}/stats?filter=kvroute_callout_us", kv.admin)).unwrap_or_default();
-    let callout = stats.lines().find(|l| l.contains("kvroute_callout_us:")).unwrap_or("").trim().to_string();
+    let stats = crate::envoy::http_get(&format!(
+        "http://{}/stats?filter=kvroute_callout_us",
+        kv.admin
+    ))
+    .unwrap_or_default();
+    let callout = stats
+        .lines()
+        .find(|l| l.contains("kvroute_callout_us:"))
+        .unwrap_or("")
+        .trim()
+        .to_string();
     println!("  callout histogram (us): {callout}");
     let route_sum = api.metric("kvroute_route_seconds_sum").await;
     let route_n = api.metric("kvroute_route_seconds_count").await;
-    println!("  sidecar route time: mean {:.1} us over {route_n} decisions", route_sum / route_n.max(1.0) * 1e6);
+    println!(
+        "  sidecar route time: mean {:.1} us over {route_n} decisions",
+        route_sum / route_n.max(1.0) * 1e6
+    );
     out["sidecar_route_mean_us"] = json!(route_sum / route_n.max(1.0) * 1e6);
     // The filter's own work for a 128k-token prompt (token ids: ~700 KB of JSON).
     let toks: Vec<u32> = (0..131_072u32)
