@@ -33,6 +33,213 @@ struct Log {
     rows: Vec<(f64, u16, bool, u64)>,
 }
 
+/// One row of docs/reliability.md (`make reliability` collects them).
+fn report(scenario: &str, injected: &str, measured: &str, pass: bool) {
+    println!("RELIABILITY|{scenario}|{injected}|{measured}|{}", if pass { "pass" } else { "FAIL" });
+}
+
+/// Token-prompt load over 8 shared documents through `url`, until stopped.
+struct Load {
+    stop: Arc<AtomicBool>,
+    log: Arc<Mutex<Log>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    t0: Instant,
+}
+
+impl Load {
+    fn start(url: String, clients: u32) -> Load {
+        let docs: Arc<Vec<Vec<u32>>> = Arc::new((0..8u32).map(|d| (0..1024).map(|t| d * 100_000 + t).collect()).collect());
+        let log = Arc::new(Mutex::new(Log::default()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let t0 = Instant::now();
+        let mut tasks = Vec::new();
+        for c in 0..clients {
+            let (url, docs, log, stop) = (url.clone(), docs.clone(), log.clone(), stop.clone());
+            tasks.push(tokio::spawn(async move {
+                let http = reqwest::Client::new();
+                let mut i = c;
+                while !stop.load(Ordering::Relaxed) {
+                    let mut p = docs[(i % 8) as usize].clone();
+                    p.extend([i, i + 1]);
+                    i += clients;
+                    let r = http.post(&url).json(&json!({"model": "m", "prompt": p, "max_tokens": 2})).send().await;
+                    let row = match r {
+                        Ok(r) => {
+                            let status = r.status().as_u16();
+                            let steered = r.headers().contains_key("x-kvroute-pod");
+                            let v: serde_json::Value = r.json().await.unwrap_or_default();
+                            (t0.elapsed().as_secs_f64(), status, steered, v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0))
+                        }
+                        Err(_) => (t0.elapsed().as_secs_f64(), 0, false, 0),
+                    };
+                    log.lock().rows.push(row);
+                }
+            }));
+        }
+        Load { stop, log, tasks, t0 }
+    }
+
+    fn now(&self) -> f64 {
+        self.t0.elapsed().as_secs_f64()
+    }
+
+    async fn finish(self) -> Vec<(f64, u16, bool, u64)> {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+        std::mem::take(&mut self.log.lock().rows)
+    }
+}
+
+fn debug_opts() -> StackOpts {
+    StackOpts {
+        engine_args: engine_args(),
+        filter_config: json!({"timeout_ms": 50, "default_model": {"block_size": 16}, "debug_headers": true}),
+        ..StackOpts::default()
+    }
+}
+
+/// NATS killed and restarted under load: no client errors, the sidecar reconnects, the
+/// pods' missed batches show up as sequence gaps and are resynced from their dumps, and no
+/// pod stays stale.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_outage_under_load_resyncs_and_nothing_stays_stale() {
+    let mut stack = Stack::start(debug_opts()).await.expect("stack");
+    let load = Load::start(stack.envoy.url("/v1/completions"), 4);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let nats = stack.nats.as_mut().expect("nats");
+    nats.stop();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    nats.restart().expect("nats back");
+    let back = load.now();
+    let mut reconnected = f64::NAN;
+    for _ in 0..200 {
+        if stack.api.metric("kvroute_nats_connected").await == 1.0 {
+            reconnected = load.now() - back;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let rows = load.finish().await;
+    let failed = rows.iter().filter(|r| r.1 != 200).count();
+    let gaps = stack.api.metric("kvroute_event_seq_gaps_total").await;
+    let resyncs = stack.api.metric("kvroute_resyncs_total{how=\"dump\"}").await;
+    let pods = stack.api.get("/v1/pods").await.json;
+    let stale = pods["pods"].as_array().map(|a| a.iter().filter(|p| p["stale"] == true).count()).unwrap_or(99);
+    let pass = failed == 0 && reconnected.is_finite() && gaps >= 1.0 && resyncs >= 1.0 && stale == 0;
+    report(
+        "NATS killed and restarted under load",
+        "nats-server SIGKILL for 1.5 s during 4-client load",
+        &format!("{} requests, {failed} failed; reconnected {reconnected:.2} s after NATS returned; {gaps} seq gaps, {resyncs} dump resyncs; {stale} pods stale at the end", rows.len()),
+        pass,
+    );
+    assert!(pass);
+}
+
+/// An engine restarts (new epoch): its lost prefixes are not routed to after the first
+/// event of the new epoch. An engine that dies silently is excluded after the liveness
+/// timeout and never chosen afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_restart_and_silent_death() {
+    let mut stack = Stack::start(debug_opts()).await.expect("stack");
+    let mut cfg = stack.api.get("/v1/config").await.json;
+    cfg["liveness_timeout_s"] = json!(1);
+    assert_eq!(stack.api.put("/v1/config", &cfg).await.status, 200);
+    let url = stack.envoy.url("/v1/completions");
+    let http = reqwest::Client::new();
+    let prompt: Vec<u32> = (0..640).map(|t| 7_000_000 + t).collect();
+    let r = http.post(&url).json(&json!({"model": "m", "prompt": prompt, "max_tokens": 2})).send().await.expect("req");
+    let holder = r.headers().get("x-pod").and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+    let ns = kvroute_shared::Namespace { mode: kvroute_shared::Mode::Tokens, block_size: 16, model: "m", adapter: "", cache_salt: "" };
+    let q = ns.chain_tokens(&prompt).iter().map(|h| h.to_string()).collect::<Vec<_>>().join(",");
+    let lookup = |api: kvroute_tests::client::Api, q: String| async move {
+        api.get(&format!("/v1/lookup?model=m&chain={q}")).await.json["confirmed"].as_array().map(|a| a.len()).unwrap_or(0)
+    };
+    for _ in 0..100 {
+        if lookup(stack.api.clone(), q.clone()).await > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    http.post(format!("http://{holder}/admin/restart")).send().await.expect("restart");
+    let t = Instant::now();
+    let mut dropped_after = f64::NAN;
+    for _ in 0..200 {
+        if lookup(stack.api.clone(), q.clone()).await == 0 {
+            dropped_after = t.elapsed().as_secs_f64() * 1e3;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Silent death: kill an engine process outright.
+    let victim = stack.engines.iter().position(|e| e.addr.to_string() != holder).unwrap_or(1);
+    let vaddr = stack.engines[victim].addr.to_string();
+    stack.engines[victim].kill();
+    let t = Instant::now();
+    let mut excluded_after = f64::NAN;
+    for _ in 0..200 {
+        let pods = stack.api.get("/v1/pods").await.json;
+        if !pods["pods"].as_array().is_some_and(|a| a.iter().any(|p| p["pod"] == vaddr.as_str())) {
+            excluded_after = t.elapsed().as_secs_f64();
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut chosen = 0;
+    for i in 0..40u32 {
+        let c = kvroute_tests::client::chain("m", 900 + i, 4, 16);
+        let r = stack.api.post("/v1/route", kvroute_tests::client::route_req("m", &c, 16)).await;
+        chosen += (r.json["pod"] == vaddr.as_str()) as u32;
+    }
+    let pass = dropped_after.is_finite() && excluded_after.is_finite() && chosen == 0;
+    report(
+        "Engine restart and silent engine death",
+        "engine cache reset with a new epoch; another engine SIGKILLed (liveness timeout 1 s)",
+        &format!("old prefixes unroutable {dropped_after:.0} ms after the restart; dead pod excluded after {excluded_after:.1} s; chosen {chosen} times in 40 decisions afterwards"),
+        pass,
+    );
+    assert!(pass);
+}
+
+/// Event loss, duplication and delay at 5%: gaps trigger resyncs from the engines' dumps,
+/// and after a quiet period the index agrees with the engines' caches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lossy_event_streams_converge() {
+    let mut args = engine_args();
+    args.extend(["--drop-events", "0.05", "--dup-events", "0.05", "--delay-events", "0.05", "--delay-ms", "300"].map(String::from));
+    let stack = Stack::start(StackOpts { engine_args: args, ..debug_opts() }).await.expect("stack");
+    let load = Load::start(stack.envoy.url("/v1/completions"), 4);
+    tokio::time::sleep(Duration::from_millis(4000)).await;
+    let rows = load.finish().await;
+    // Quiet period: delayed batches land, load events reveal gaps, dumps are fetched.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let http = reqwest::Client::new();
+    let pods = stack.api.get("/v1/pods").await.json;
+    let mut worst: f64 = 0.0;
+    let mut detail = Vec::new();
+    for e in &stack.engines {
+        let truth: serde_json::Value = http.get(format!("http://{}/admin/stats", e.addr)).send().await.expect("stats").json().await.expect("json");
+        let engine_blocks = truth["cached_blocks"].as_f64().unwrap_or(0.0);
+        let indexed = pods["pods"].as_array().and_then(|a| a.iter().find(|p| p["pod"] == e.addr.to_string().as_str())).and_then(|p| p["blocks"].as_f64()).unwrap_or(0.0);
+        let div = (engine_blocks - indexed).abs() / engine_blocks.max(1.0);
+        worst = worst.max(div);
+        detail.push(format!("{indexed}/{engine_blocks}"));
+    }
+    let gaps = stack.api.metric("kvroute_event_seq_gaps_total").await;
+    let dups = stack.api.metric("kvroute_event_duplicates_total").await;
+    let failed = rows.iter().filter(|r| r.1 != 200).count();
+    let pass = failed == 0 && worst < 0.05;
+    report(
+        "Event loss, duplication and delay",
+        "5% of batches dropped, 5% duplicated, 5% delayed 300 ms",
+        &format!("{} requests, {failed} failed; {gaps} gaps resynced, {dups} duplicates ignored; indexed/actual blocks per pod {}; worst divergence {:.1}%", rows.len(), detail.join(", "), worst * 100.0),
+        pass,
+    );
+    assert!(pass, "divergence {worst}");
+}
+
 /// Kill the sidecar under load, restart it: no client request fails (fail-open), steering
 /// resumes, and the hit rate recovers as the new sidecar rebuilds its index from events
 /// and the engines' dumps.
@@ -138,10 +345,16 @@ async fn sidecar_killed_under_load_fails_open_and_recovers() {
         .fold(f64::INFINITY, f64::min);
     let after: Vec<_> = log.rows.iter().filter(|r| r.0 > restart_at + 1.0).collect();
     let hit_after = after.iter().filter(|r| r.3 > 0).count() as f64 / after.len().max(1) as f64;
-    println!(
-        "sidecar kill: {} requests, {failed} failed; {during} served while it was down ({steered_during} steered); steering resumed {first_steered:.2}s after restart; {:.0}% of requests hit cache from 1s after restart",
-        log.rows.len(),
-        hit_after * 100.0
+    let pass = failed == 0 && during > 0 && steered_during == 0 && first_steered < 3.0 && hit_after > 0.5;
+    report(
+        "Sidecar killed under load, then restarted",
+        "kvroute-sidecar SIGKILL for 1.5 s during 4-client load",
+        &format!(
+            "{} requests, {failed} failed; {during} served unsteered while it was down; steering resumed {first_steered:.2} s after restart; {:.0}% of requests hit cache from 1 s after restart",
+            log.rows.len(),
+            hit_after * 100.0
+        ),
+        pass,
     );
     assert_eq!(failed, 0, "fail-open: no client request fails");
     assert!(during > 0 && steered_during == 0);
