@@ -7,7 +7,7 @@ CARGO ?= cargo
 WASM := target/wasm32-wasip1/wasm/kvroute_filter.wasm
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test deps wasm build lint fmt unit e2e bench clean
+.PHONY: demo test deps wasm build lint fmt reliability clean
 
 demo: deps wasm
 	$(CARGO) build --release -p kvroute-sidecar -p kvroute-tests
@@ -42,6 +42,11 @@ lint:
 
 fmt:
 	$(CARGO) fmt --all
+
+# The fault suite (also part of `make test`), its figures written to docs/reliability.md.
+reliability: deps wasm
+	$(CARGO) build -p kvroute-sidecar -p kvroute-tests
+	@bash tests/reliability.sh
 
 clean:
 	$(CARGO) clean
