@@ -37,7 +37,10 @@ async fn routing_follows_events_and_load() {
     let r = api.route(M, &c, 16).await;
     assert_eq!(r.pod, "127.0.0.1:8002");
     assert_eq!(r.ranked[0].matched_blocks, 24);
-    assert!(r.explain.is_none(), "explain (which reveals cache state) is off by default");
+    assert!(
+        r.explain.is_none(),
+        "explain (which reveals cache state) is off by default"
+    );
     assert_eq!(r.tier_hint.map(|t| t.gpu), Some(24));
     assert!(r.policy_version >= 1);
     // Dry runs change nothing; the lookup endpoint shows the facts.
@@ -389,11 +392,25 @@ async fn unregistered_pods_can_be_refused() {
     cfg["require_registration"] = json!(true);
     assert_eq!(api.put("/v1/config", &cfg).await.status, 200);
     let c = chain(M, 8, 4, 16);
-    let r = api.events(&batch("127.0.0.1:8009", M, "e", 0, vec![stored(&c)])).await;
-    assert_eq!((r.status, r.json["reason"].as_str()), (422, Some("unregistered_pod")), "{}", r.json);
+    let r = api
+        .events(&batch("127.0.0.1:8009", M, "e", 0, vec![stored(&c)]))
+        .await;
+    assert_eq!(
+        (r.status, r.json["reason"].as_str()),
+        (422, Some("unregistered_pod")),
+        "{}",
+        r.json
+    );
     api.register("127.0.0.1:8009", M).await;
-    assert_eq!(api.events(&batch("127.0.0.1:8009", M, "e", 0, vec![stored(&c)])).await.status, 200);
+    assert_eq!(
+        api.events(&batch("127.0.0.1:8009", M, "e", 0, vec![stored(&c)]))
+            .await
+            .status,
+        200
+    );
     // A pod registered for one model cannot publish for another.
-    let r = api.events(&batch("127.0.0.1:8009", "other", "e", 1, vec![stored(&c)])).await;
+    let r = api
+        .events(&batch("127.0.0.1:8009", "other", "e", 1, vec![stored(&c)]))
+        .await;
     assert_eq!(r.json["reason"].as_str(), Some("model_mismatch"));
 }
