@@ -414,3 +414,50 @@ async fn unregistered_pods_can_be_refused() {
         .await;
     assert_eq!(r.json["reason"].as_str(), Some("model_mismatch"));
 }
+
+#[tokio::test]
+async fn disaggregated_models_get_a_prefill_and_a_decode_pod() {
+    let (_sc, api) = up(&[]).await;
+    for (p, role) in [
+        ("127.0.0.1:8101", "prefill"),
+        ("127.0.0.1:8102", "prefill"),
+        ("127.0.0.1:8201", "decode"),
+        ("127.0.0.1:8202", "decode"),
+    ] {
+        assert_eq!(
+            api.put(&format!("/v1/pods/{p}"), json!({"model": M, "role": role}))
+                .await
+                .status,
+            200
+        );
+    }
+    let c = chain(M, 9, 16, 16);
+    api.events(&batch("127.0.0.1:8102", M, "e", 0, vec![stored(&c)]))
+        .await;
+    let r = api.route(M, &c, 16).await;
+    assert_eq!(
+        r.prefill_pod.as_deref(),
+        Some("127.0.0.1:8102"),
+        "prefill where the cache is"
+    );
+    assert!(
+        r.pod.starts_with("127.0.0.1:82"),
+        "decode on a decode pod: {}",
+        r.pod
+    );
+    // Decode pods are chosen by load: a second request goes to the other one.
+    let r2 = api.route(M, &chain(M, 10, 16, 16), 16).await;
+    assert_ne!(r2.pod, r.pod);
+    // Asking for a role restricts the candidates.
+    let mut only = kvroute_tests::client::route_req(M, &c, 16);
+    only.role = Some(kvroute_shared::protocol::Role::Prefill);
+    let r3 = api.post("/v1/route", &only).await;
+    assert!(
+        r3.json["pod"]
+            .as_str()
+            .is_some_and(|p| p.starts_with("127.0.0.1:81")),
+        "{}",
+        r3.json
+    );
+    assert!(r3.json["prefill_pod"].is_null());
+}
