@@ -176,7 +176,7 @@ fn pod_json(sc: &Sidecar, p: &crate::pods::Pod, now: std::time::Instant) -> serd
         .indexes
         .get(&p.reg.model)
         .and_then(|ix| ix.handle(&p.id).map(|h| ix.pod_blocks(h)));
-    let load = p.load_view(now);
+    let load = p.load_view(now, sc.config().prefill_tokens_per_s);
     json!({
         "pod": &*p.id, "model": p.reg.model, "role": p.reg.role, "adapters": p.reg.adapters,
         "labels": p.reg.labels, "capacity_blocks": p.reg.capacity_blocks, "dump_url": p.reg.dump_url,

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use kvroute_shared::protocol::{PodRegistration, Role};
 
-use crate::policy::LoadView;
+use crate::policy::{LoadView, PrefillHorizon};
 
 /// The engine's own last load report.
 #[derive(Clone, Copy, Debug)]
@@ -26,9 +26,18 @@ pub struct EngineLoad {
 /// Load the router has projected onto a pod and not yet released.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Projected {
-    pub pending_prefill_tokens: u64,
+    /// When the prefills routed here should be done (see [`PrefillHorizon`]).
+    pub horizon: PrefillHorizon,
     pub decode_blocks: u64,
     pub inflight: u32,
+}
+
+/// Seconds on a process-wide monotonic clock, the time base of [`PrefillHorizon`].
+pub fn clock(now: Instant) -> f64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let start = *START.get_or_init(Instant::now);
+    now.checked_duration_since(start)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 #[derive(Clone, Debug)]
@@ -76,9 +85,9 @@ impl Pod {
 
     /// The load the policy sees: the router's projection, raised to the engine's own
     /// count when that is fresh and larger (other gateways route to this pod too).
-    pub fn load_view(&self, now: Instant) -> LoadView {
+    pub fn load_view(&self, now: Instant, prefill_tps: f64) -> LoadView {
         let mut v = LoadView {
-            pending_prefill_tokens: self.projected.pending_prefill_tokens,
+            pending_prefill_tokens: self.projected.horizon.pending(clock(now), prefill_tps),
             decode_blocks: self.projected.decode_blocks,
             inflight: self.projected.inflight,
             queued: 0,

@@ -150,7 +150,7 @@ fn route_inner(sc: &Sidecar, req: &RouteRequest) -> Result<RouteResponse, RouteE
                             .map_or(0, |x| x.depth),
                         tiers: None,
                         stale: p.stale,
-                        load: p.load_view(now),
+                        load: p.load_view(now, cfg.prefill_tokens_per_s),
                     },
                     id.clone(),
                 ));
@@ -222,7 +222,11 @@ fn route_inner(sc: &Sidecar, req: &RouteRequest) -> Result<RouteResponse, RouteE
         req.mode == Mode::Text || pods.get(&cache_pod_id).is_some_and(|p| !p.events_seen);
     if !req.dry_run {
         if let Some(p) = pods.get_mut(&cache_pod_id) {
-            p.projected.pending_prefill_tokens += prefill_tokens;
+            p.projected.horizon.add(
+                crate::pods::clock(now),
+                prefill_tokens,
+                cfg.prefill_tokens_per_s,
+            );
         }
         if let Some(p) = pods.get_mut(&winner) {
             p.projected.decode_blocks += blocks;
@@ -336,12 +340,12 @@ fn round3(x: f64) -> f64 {
 
 /// Release the load a decision projected (report or timeout).
 pub fn release(sc: &Sidecar, d: &Decision, how: &str) {
+    let tps = sc.config().prefill_tokens_per_s;
     let mut pods = sc.pods.lock();
     if let Some(p) = pods.get_mut(&d.pod) {
-        p.projected.pending_prefill_tokens = p
-            .projected
-            .pending_prefill_tokens
-            .saturating_sub(d.prefill_tokens);
+        p.projected
+            .horizon
+            .release(crate::pods::clock(Instant::now()), d.prefill_tokens, tps);
         p.projected.decode_blocks = p.projected.decode_blocks.saturating_sub(d.blocks);
         if d.inflight {
             p.projected.inflight = p.projected.inflight.saturating_sub(1);
