@@ -573,6 +573,31 @@ fn opt_u64<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     Option::<LenientU64>::deserialize(d).map(|o| o.map(|x| x.0))
 }
 
+/// Load that one sidecar replica projected onto a pod, or released, broadcast on NATS
+/// (`kvroute.load.<model>`) so that replicas in front of the same pods see each other's
+/// decisions instead of all piling onto the same "best" pod.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadDelta {
+    /// The sending replica (receivers skip their own).
+    pub replica: String,
+    /// The decision's id (unique per replica); a release names the add it undoes.
+    pub id: String,
+    pub pod: String,
+    pub model: String,
+    pub op: LoadOp,
+    #[serde(default)]
+    pub prefill_tokens: u64,
+    #[serde(default)]
+    pub blocks: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LoadOp {
+    Add,
+    Release,
+}
+
 /// Content type of the compact route body: `u32le(len) ++ JSON of the request with an
 /// empty chain ++ chain as u64le`. JSON decoding of a 128k-token prompt's chain (8,192
 /// hashes) costs ~330 µs in the sidecar; this form is a copy (`kvroute-bench route`).

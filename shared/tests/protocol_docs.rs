@@ -15,6 +15,7 @@ fn check(ty: &str, json: &str) -> Result<(), String> {
         "RouteResponse" => p::<RouteResponse>(json).map(|_| ()),
         "CompletionReport" => p::<CompletionReport>(json).map(|_| ()),
         "PodRegistration" => p::<PodRegistration>(json).map(|_| ()),
+        "LoadDelta" => p::<LoadDelta>(json).map(|_| ()),
         "PolicyConfig" => {
             p::<PolicyConfig>(json).and_then(|c| c.validate().map_err(|e| e.join("; ")))
         }

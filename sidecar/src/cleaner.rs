@@ -78,6 +78,23 @@ pub fn sweep(sc: &Sidecar, now: Instant) {
     for d in expired {
         route::release(sc, &d, "timeout");
     }
+    // Other replicas' decisions whose release never came (that replica died).
+    let tps = cfg.prefill_tokens_per_s;
+    for p in sc.pods.lock().values_mut() {
+        let stale: Vec<String> = p
+            .remote
+            .iter()
+            .filter(|(_, r)| now.duration_since(r.0) > timeout)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in stale {
+            if let Some((_, tokens, _)) = p.remote.remove(&k) {
+                p.projected
+                    .horizon
+                    .release(crate::pods::clock(now), tokens, tps);
+            }
+        }
+    }
     sc.predicted
         .expire(Duration::from_secs(cfg.predicted_ttl_s), now);
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use kvroute_shared::protocol::EventBatch;
+use kvroute_shared::protocol::{EventBatch, LoadDelta};
 use tokio::sync::watch;
 
 use crate::ingest::{self, IngestLocks};
@@ -96,9 +96,24 @@ pub async fn run(
         }
     };
     tracing::info!("nats: subscribed to {}", o.subject);
+    // Replicas share their decisions so that several gateways do not pile onto one pod.
+    let mut loads = client.subscribe(format!("{LOAD_SUBJECT}.>")).await.ok();
+    let (tx, mut outbox) = tokio::sync::mpsc::unbounded_channel::<LoadDelta>();
+    *sc.load_tx.lock() = Some(tx);
     loop {
         tokio::select! {
             _ = shutdown.changed() => break,
+            Some(delta) = outbox.recv() => {
+                if let Ok(bytes) = serde_json::to_vec(&delta) {
+                    let _ = client.publish(format!("{LOAD_SUBJECT}.{}", delta.model), bytes.into()).await;
+                }
+            }
+            Some(msg) = async { match loads.as_mut() { Some(l) => l.next().await, None => std::future::pending().await } } => {
+                match serde_json::from_slice::<LoadDelta>(&msg.payload) {
+                    Ok(delta) => sc.apply_remote(&delta),
+                    Err(e) => tracing::debug!("nats: malformed load delta: {e}"),
+                }
+            }
             msg = sub.next() => {
                 let Some(msg) = msg else { break };
                 sc.metrics.nats_messages.fetch_add(1, Ordering::Relaxed);
@@ -116,5 +131,9 @@ pub async fn run(
             }
         }
     }
+    *sc.load_tx.lock() = None;
     let _ = sub.unsubscribe().await;
 }
+
+/// Subject prefix of replicas' load broadcasts (`kvroute.load.<model>`).
+pub const LOAD_SUBJECT: &str = "kvroute.load";

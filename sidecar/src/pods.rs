@@ -54,6 +54,8 @@ pub struct Pod {
     pub events_seen: bool,
     pub last_seen: Instant,
     pub projected: Projected,
+    /// Decisions of other sidecar replicas on this pod: id → (received, prefill tokens, blocks).
+    pub remote: std::collections::HashMap<String, (Instant, u64, u64)>,
     pub engine: Option<EngineLoad>,
     pub failures: u32,
     pub breaker_until: Option<Instant>,
@@ -76,6 +78,7 @@ impl Pod {
             events_seen: false,
             last_seen: now,
             projected: Projected::default(),
+            remote: Default::default(),
             engine: None,
             failures: 0,
             breaker_until: None,
@@ -88,8 +91,9 @@ impl Pod {
     pub fn load_view(&self, now: Instant, prefill_tps: f64) -> LoadView {
         let mut v = LoadView {
             pending_prefill_tokens: self.projected.horizon.pending(clock(now), prefill_tps),
-            decode_blocks: self.projected.decode_blocks,
-            inflight: self.projected.inflight,
+            decode_blocks: self.projected.decode_blocks
+                + self.remote.values().map(|r| r.2).sum::<u64>(),
+            inflight: self.projected.inflight + self.remote.len() as u32,
             queued: 0,
         };
         if let Some(e) = self.engine {

@@ -4,7 +4,9 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use kvroute_shared::protocol::{CompletionReport, Ranked, Role, RouteRequest, RouteResponse};
+use kvroute_shared::protocol::{
+    CompletionReport, LoadOp, Ranked, Role, RouteRequest, RouteResponse,
+};
 use kvroute_shared::Mode;
 use serde_json::json;
 
@@ -268,24 +270,24 @@ fn route_inner(sc: &Sidecar, req: &RouteRequest) -> Result<RouteResponse, RouteE
             .clone()
             .filter(|r| !r.is_empty())
             .unwrap_or_else(|| sc.next_request_id());
-        sc.decisions.lock().insert(
-            id,
-            Decision {
-                pod: winner.clone(),
-                model: req.model.clone(),
-                prefill_tokens: if prefill_pod.as_ref().is_some_and(|pp| pp != &winner) {
-                    0
-                } else {
-                    prefill_tokens
-                },
-                blocks,
-                at: Instant::now(),
-                expected_cached,
-                predicted: predicted_mode,
-                chain_blocks: req.chain.len() as u64,
-                inflight: true,
+        let d = Decision {
+            pod: winner.clone(),
+            model: req.model.clone(),
+            prefill_tokens: if prefill_pod.as_ref().is_some_and(|pp| pp != &winner) {
+                0
+            } else {
+                prefill_tokens
             },
-        );
+            blocks,
+            at: Instant::now(),
+            expected_cached,
+            predicted: predicted_mode,
+            chain_blocks: req.chain.len() as u64,
+            id: id.clone(),
+            inflight: true,
+        };
+        sc.broadcast(&d, LoadOp::Add);
+        sc.decisions.lock().insert(id.clone(), d);
         if predicted_mode {
             sc.predicted.insert(
                 &req.model,
@@ -298,20 +300,21 @@ fn route_inner(sc: &Sidecar, req: &RouteRequest) -> Result<RouteResponse, RouteE
         // The prefill pod's pending prefill is released with the decision too.
         if let Some(pp) = &prefill_pod {
             if pp != &winner {
-                sc.decisions.lock().insert(
-                    format!("{}#prefill", req.request_id.as_deref().unwrap_or("")),
-                    Decision {
-                        pod: pp.clone(),
-                        model: req.model.clone(),
-                        prefill_tokens,
-                        blocks: 0,
-                        at: Instant::now(),
-                        expected_cached,
-                        predicted: predicted_mode,
-                        chain_blocks: 0,
-                        inflight: false,
-                    },
-                );
+                let pid = format!("{id}#prefill");
+                let d = Decision {
+                    pod: pp.clone(),
+                    model: req.model.clone(),
+                    prefill_tokens,
+                    blocks: 0,
+                    at: Instant::now(),
+                    expected_cached,
+                    predicted: predicted_mode,
+                    chain_blocks: 0,
+                    id: pid.clone(),
+                    inflight: false,
+                };
+                sc.broadcast(&d, LoadOp::Add);
+                sc.decisions.lock().insert(pid, d);
             }
         }
     }
@@ -352,6 +355,7 @@ pub fn release(sc: &Sidecar, d: &Decision, how: &str) {
         }
     }
     drop(pods);
+    sc.broadcast(d, LoadOp::Release);
     sc.metrics.load_released.inc(how, 1);
 }
 

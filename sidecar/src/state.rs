@@ -48,6 +48,8 @@ pub struct Decision {
     /// Residency of this pod was a guess (predicted mode).
     pub predicted: bool,
     pub chain_blocks: u64,
+    /// The decision's id (the request id, or one the sidecar made up).
+    pub id: String,
     /// Counted in the pod's in-flight requests (false for a prefill pod's share).
     pub inflight: bool,
 }
@@ -73,6 +75,8 @@ pub struct Sidecar {
     pub nats_configured: AtomicBool,
     next_id: AtomicU64,
     pub started: Instant,
+    /// Where this replica's decisions go to be broadcast (set while NATS runs).
+    pub load_tx: Mutex<Option<mpsc::UnboundedSender<kvroute_shared::protocol::LoadDelta>>>,
     /// This replica's id (for load broadcasts between replicas).
     pub replica: String,
 }
@@ -112,6 +116,7 @@ impl Sidecar {
             nats_configured: AtomicBool::new(false),
             next_id: AtomicU64::new(1),
             started: Instant::now(),
+            load_tx: Mutex::new(None),
             replica,
         };
         Ok((Arc::new(sc), Channels { cleanup, resync }))
@@ -230,6 +235,50 @@ impl Sidecar {
         }
         if let Some((ix, r)) = self.predicted.forget(model, id) {
             self.queue_cleanup(ix, r);
+        }
+    }
+
+    /// Broadcast a projected-load change to the other replicas (no-op without NATS).
+    pub fn broadcast(&self, d: &Decision, op: kvroute_shared::protocol::LoadOp) {
+        if let Some(tx) = self.load_tx.lock().as_ref() {
+            let _ = tx.send(kvroute_shared::protocol::LoadDelta {
+                replica: self.replica.clone(),
+                id: d.id.clone(),
+                pod: d.pod.to_string(),
+                model: d.model.clone(),
+                op,
+                prefill_tokens: d.prefill_tokens,
+                blocks: d.blocks,
+            });
+        }
+    }
+
+    /// Apply another replica's load change.
+    pub fn apply_remote(&self, l: &kvroute_shared::protocol::LoadDelta) {
+        if l.replica == self.replica {
+            return;
+        }
+        let now = Instant::now();
+        let tps = self.config().prefill_tokens_per_s;
+        let mut pods = self.pods.lock();
+        let Some(p) = pods.get_mut(l.pod.as_str()) else {
+            return;
+        };
+        let key = format!("{}/{}", l.replica, l.id);
+        match l.op {
+            kvroute_shared::protocol::LoadOp::Add => {
+                p.projected
+                    .horizon
+                    .add(crate::pods::clock(now), l.prefill_tokens, tps);
+                p.remote.insert(key, (now, l.prefill_tokens, l.blocks));
+            }
+            kvroute_shared::protocol::LoadOp::Release => {
+                if let Some((_, tokens, _)) = p.remote.remove(&key) {
+                    p.projected
+                        .horizon
+                        .release(crate::pods::clock(now), tokens, tps);
+                }
+            }
         }
     }
 

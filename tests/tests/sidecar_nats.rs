@@ -269,3 +269,62 @@ async fn silent_pods_are_removed_after_the_liveness_timeout() {
         assert_eq!(api.route(M, &c, 16).await.pod, "127.0.0.1:8002");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_see_each_others_decisions() {
+    let nats = Nats::start().expect("nats");
+    let a = SidecarProc::start(&["--nats", &nats.url()], false).expect("sidecar a");
+    let b = SidecarProc::start(&["--nats", &nats.url()], false).expect("sidecar b");
+    let (ra, rb) = (Api::new(a.addr), Api::new(b.addr));
+    for api in [&ra, &rb] {
+        for p in ["127.0.0.1:8001", "127.0.0.1:8002"] {
+            api.register(p, M).await;
+        }
+        eventually(
+            || {
+                let a = api.clone();
+                Box::pin(async move { a.metric("kvroute_nats_connected").await == 1.0 })
+            },
+            "connected",
+        )
+        .await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for i in 0..10 {
+        let mut r = kvroute_tests::client::route_req(M, &chain(M, 40 + i, 4, 16), 16);
+        r.request_id = Some(format!("a{i}"));
+        assert_eq!(ra.post("/v1/route", &r).await.status, 200);
+    }
+    let inflight = |api: Api| async move {
+        let pods = api.get("/v1/pods").await.json;
+        pods["pods"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|p| p["load"]["inflight"].as_u64().unwrap_or(0))
+                    .sum::<u64>()
+            })
+            .unwrap_or(0)
+    };
+    let b2 = rb.clone();
+    eventually(
+        move || {
+            let b = b2.clone();
+            Box::pin(async move { inflight(b).await == 10 })
+        },
+        "replica b sees a's 10 decisions",
+    )
+    .await;
+    for i in 0..10 {
+        ra.post("/v1/report", serde_json::json!({"request_id": format!("a{i}"), "pod": "127.0.0.1:8001", "status": 200})).await;
+    }
+    let b2 = rb.clone();
+    eventually(
+        move || {
+            let b = b2.clone();
+            Box::pin(async move { inflight(b).await == 0 })
+        },
+        "and their releases",
+    )
+    .await;
+}
