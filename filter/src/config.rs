@@ -159,18 +159,12 @@ impl FilterConfig {
         let models = std::iter::once(("default_model", &self.default_model))
             .chain(self.models.iter().map(|(k, v)| (k.as_str(), v)));
         for (name, m) in models {
-            if m.block_size == 0 || m.block_size > 1 << 20 {
-                errs.push(format!(
-                    "{name}: block_size must be in 1..=1048576 (got {})",
-                    m.block_size
-                ));
-            }
-            if m.text_block_bytes < 16 || m.text_block_bytes > 1 << 20 {
-                errs.push(format!(
-                    "{name}: text_block_bytes must be in 16..=1048576 (got {})",
-                    m.text_block_bytes
-                ));
-            }
+            kvroute_shared::protocol::check_block_sizes(
+                name,
+                m.block_size,
+                m.text_block_bytes,
+                &mut errs,
+            );
         }
         if self.usage_window_bytes < 256 || self.usage_window_bytes > 1 << 20 {
             errs.push(format!(

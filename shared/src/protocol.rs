@@ -472,18 +472,7 @@ impl PolicyConfig {
         let models = std::iter::once(("default_model", &self.default_model))
             .chain(self.models.iter().map(|(k, v)| (k.as_str(), v)));
         for (name, m) in models {
-            if m.block_size == 0 || m.block_size > 1 << 20 {
-                errs.push(format!(
-                    "{name}: block_size must be in 1..=1048576 (got {})",
-                    m.block_size
-                ));
-            }
-            if m.text_block_bytes < 16 || m.text_block_bytes > 1 << 20 {
-                errs.push(format!(
-                    "{name}: text_block_bytes must be in 16..=1048576 (got {})",
-                    m.text_block_bytes
-                ));
-            }
+            check_block_sizes(name, m.block_size, m.text_block_bytes, &mut errs);
             if m.max_blocks == 0 {
                 errs.push(format!("{name}: max_blocks must be > 0"));
             }
@@ -665,4 +654,24 @@ pub fn valid_endpoint(s: &str) -> bool {
             b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_' | b':' | b'[' | b']')
         });
     port_ok && host_ok
+}
+
+/// The block-size rules the filter's and the sidecar's configs share: a token block of
+/// 1..=2^20 tokens, a text block of 16..=2^20 bytes.
+pub fn check_block_sizes(
+    name: &str,
+    block_size: u32,
+    text_block_bytes: u32,
+    errs: &mut Vec<String>,
+) {
+    if block_size == 0 || block_size > 1 << 20 {
+        errs.push(format!(
+            "{name}: block_size must be in 1..=1048576 (got {block_size})"
+        ));
+    }
+    if !(16..=1 << 20).contains(&text_block_bytes) {
+        errs.push(format!(
+            "{name}: text_block_bytes must be in 16..=1048576 (got {text_block_bytes})"
+        ));
+    }
 }

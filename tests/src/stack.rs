@@ -74,6 +74,29 @@ impl EngineProc {
     }
 }
 
+/// Engine simulator flags: cache capacity (blocks), prefill throughput (tokens/s), decode
+/// step (ms), batch 8, and the time scale.
+pub fn engine_args(
+    capacity_blocks: u32,
+    prefill_tps: u32,
+    decode_ms: u32,
+    time_scale: f64,
+) -> Vec<String> {
+    [
+        "--capacity-blocks".to_string(),
+        capacity_blocks.to_string(),
+        "--prefill-tps".into(),
+        prefill_tps.to_string(),
+        "--decode-ms".into(),
+        decode_ms.to_string(),
+        "--max-batch".into(),
+        "8".into(),
+        "--time-scale".into(),
+        time_scale.to_string(),
+    ]
+    .to_vec()
+}
+
 #[derive(Clone, Debug)]
 pub struct StackOpts {
     pub engines: usize,

@@ -10,21 +10,7 @@ use parking_lot::Mutex;
 use serde_json::json;
 
 fn engine_args() -> Vec<String> {
-    [
-        "--capacity-blocks",
-        "2048",
-        "--prefill-tps",
-        "20000",
-        "--decode-ms",
-        "2",
-        "--max-batch",
-        "8",
-        "--time-scale",
-        "0.5",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+    kvroute_tests::stack::engine_args(2048, 20000, 2, 0.5)
 }
 
 #[derive(Default)]
@@ -340,69 +326,13 @@ async fn lossy_event_streams_converge() {
 /// and the engines' dumps.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sidecar_killed_under_load_fails_open_and_recovers() {
-    let opts = StackOpts {
-        engine_args: engine_args(),
-        filter_config: json!({"timeout_ms": 50, "default_model": {"block_size": 16}, "debug_headers": true}),
-        ..StackOpts::default()
-    };
-    let mut stack = Stack::start(opts).await.expect("stack");
-    let url = stack.envoy.url("/v1/completions");
-    let docs: Arc<Vec<Vec<u32>>> = Arc::new(
-        (0..8u32)
-            .map(|d| (0..1024).map(|t| d * 100_000 + t).collect())
-            .collect(),
-    );
-    let log = Arc::new(Mutex::new(Log::default()));
-    let stop = Arc::new(AtomicBool::new(false));
-    let sent = Arc::new(AtomicU64::new(0));
-    let t0 = Instant::now();
-    let mut clients = Vec::new();
-    for c in 0..4u32 {
-        let (url, docs, log, stop, sent) = (
-            url.clone(),
-            docs.clone(),
-            log.clone(),
-            stop.clone(),
-            sent.clone(),
-        );
-        clients.push(tokio::spawn(async move {
-            let http = reqwest::Client::new();
-            let mut i = c;
-            while !stop.load(Ordering::Relaxed) {
-                let mut p = docs[(i % 8) as usize].clone();
-                p.extend([i, i + 1]);
-                i += 4;
-                sent.fetch_add(1, Ordering::Relaxed);
-                let r = http
-                    .post(&url)
-                    .json(&json!({"model": "m", "prompt": p, "max_tokens": 2}))
-                    .send()
-                    .await;
-                let row = match r {
-                    Ok(r) => {
-                        let status = r.status().as_u16();
-                        let steered = r.headers().contains_key("x-kvroute-pod");
-                        let v: serde_json::Value = r.json().await.unwrap_or_default();
-                        (
-                            t0.elapsed().as_secs_f64(),
-                            status,
-                            steered,
-                            v["usage"]["prompt_tokens_details"]["cached_tokens"]
-                                .as_u64()
-                                .unwrap_or(0),
-                        )
-                    }
-                    Err(_) => (t0.elapsed().as_secs_f64(), 0, false, 0),
-                };
-                log.lock().rows.push(row);
-            }
-        }));
-    }
+    let mut stack = Stack::start(debug_opts()).await.expect("stack");
+    let load = Load::start(stack.envoy.url("/v1/completions"), 4);
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let kill_at = t0.elapsed().as_secs_f64();
+    let kill_at = load.now();
     stack.sidecar.kill();
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let restart_at = t0.elapsed().as_secs_f64();
+    let restart_at = load.now();
     stack.sidecar.restart().expect("restart");
     stack.api = Api::new(stack.sidecar.addr);
     // A controller (or --pods) registers the pods again, with their dump URLs.
@@ -416,11 +346,8 @@ async fn sidecar_killed_under_load_fails_open_and_recovers() {
             .await;
     }
     tokio::time::sleep(Duration::from_millis(3000)).await;
-    stop.store(true, Ordering::Relaxed);
-    for c in clients {
-        let _ = c.await;
-    }
-    let log = log.lock();
+    let rows = load.finish().await;
+    let log = Log { rows };
     let failed = log.rows.iter().filter(|r| r.1 != 200).count();
     let during = log
         .rows

@@ -7,21 +7,7 @@ use kvroute_tests::stack::{pid_alive, Stack, StackOpts};
 use serde_json::{json, Value};
 
 fn engine_args() -> Vec<String> {
-    [
-        "--capacity-blocks",
-        "1536",
-        "--prefill-tps",
-        "8000",
-        "--decode-ms",
-        "10",
-        "--max-batch",
-        "8",
-        "--time-scale",
-        "0.5",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+    kvroute_tests::stack::engine_args(1536, 8000, 10, 0.5)
 }
 
 async fn post(url: &str, body: &Value) -> (String, u64, u64) {

@@ -41,21 +41,7 @@ enum Cmd {
 }
 
 fn engine_args() -> Vec<String> {
-    [
-        "--capacity-blocks",
-        "1536",
-        "--prefill-tps",
-        "8000",
-        "--decode-ms",
-        "20",
-        "--max-batch",
-        "8",
-        "--time-scale",
-        "0.5",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+    kvroute_tests::stack::engine_args(1536, 8000, 20, 0.5)
 }
 
 fn main() -> anyhow::Result<()> {
