@@ -446,12 +446,13 @@ impl ModelIndex {
             {
                 return Err(IndexError::Stale);
             }
+            // The pod's block count is settled once per chunk, not per block.
+            let (mut added, mut removed) = (0u64, 0u64);
             for &key in chunk {
                 let mut shard = self.shard(key).write();
                 match op(&mut shard, &mut tiers, key, h.slot) {
                     Change::Added => {
-                        out.changed += 1;
-                        pd.blocks.fetch_add(1, Ordering::Relaxed);
+                        added += 1;
                         if shard.len() > cap {
                             let n = shard.evict_to(cap, |holders| {
                                 for s in holders.iter() {
@@ -461,12 +462,15 @@ impl ModelIndex {
                             self.evicted.fetch_add(n, Ordering::Relaxed);
                         }
                     }
-                    Change::Removed => {
-                        out.changed += 1;
-                        pd.blocks.fetch_sub(1, Ordering::Relaxed);
-                    }
+                    Change::Removed => removed += 1,
                     Change::Unchanged => out.unchanged += 1,
                 }
+            }
+            out.changed += added + removed;
+            if added >= removed {
+                pd.blocks.fetch_add(added - removed, Ordering::Relaxed);
+            } else {
+                pd.blocks.fetch_sub(removed - added, Ordering::Relaxed);
             }
         }
         Ok(out)
