@@ -181,11 +181,22 @@ struct AudioField<'a> {
 /// Where canonical bytes go: the chain hasher on the hot path, a `Vec` for display.
 pub trait Sink {
     fn put(&mut self, bytes: &[u8]);
+
+    /// Token ids as u32le (the chain hasher encodes them in bulk).
+    fn put_tokens(&mut self, tokens: &[u32]) {
+        for t in tokens {
+            self.put(&t.to_le_bytes());
+        }
+    }
 }
 
 impl Sink for ChainHasher {
     fn put(&mut self, bytes: &[u8]) {
         self.update(bytes)
+    }
+
+    fn put_tokens(&mut self, tokens: &[u32]) {
+        self.push_tokens(tokens)
     }
 }
 
@@ -273,11 +284,7 @@ impl Prompt<'_> {
     /// bytes, which is what token mode chains).
     pub fn write_canonical(&self, sink: &mut impl Sink) {
         match self {
-            Prompt::Tokens(t) => {
-                for tok in t {
-                    sink.put(&tok.to_le_bytes());
-                }
-            }
+            Prompt::Tokens(t) => sink.put_tokens(t),
             Prompt::Text(t) => sink.put(t.as_bytes()),
             Prompt::Chat { tools, messages } => {
                 if let Some(tools) = tools {
