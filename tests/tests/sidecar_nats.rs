@@ -31,6 +31,42 @@ async fn matched(api: &Api, c: &[u64]) -> u32 {
         .unwrap_or(0) as u32
 }
 
+async fn until_connected(api: &Api) {
+    let api = api.clone();
+    eventually(
+        move || {
+            let a = api.clone();
+            Box::pin(async move { a.metric("kvroute_nats_connected").await == 1.0 })
+        },
+        "nats connected",
+    )
+    .await;
+}
+
+async fn until_matched(api: &Api, chain: &[u64], blocks: u32, what: &str) {
+    let (api, chain) = (api.clone(), chain.to_vec());
+    eventually(
+        move || {
+            let (a, c) = (api.clone(), chain.clone());
+            Box::pin(async move { matched(&a, &c).await == blocks })
+        },
+        what,
+    )
+    .await;
+}
+
+async fn until_ready(api: &Api, status: u16, what: &str) {
+    let api = api.clone();
+    eventually(
+        move || {
+            let a = api.clone();
+            Box::pin(async move { a.get("/readyz").await.status == status })
+        },
+        what,
+    )
+    .await;
+}
+
 async fn eventually(mut f: impl FnMut() -> futures::future::BoxFuture<'static, bool>, what: &str) {
     for _ in 0..200 {
         if f().await {
@@ -49,27 +85,11 @@ async fn events_over_nats_drive_the_index() {
     let nc = async_nats::connect(nats.url()).await.expect("client");
     let pod = "127.0.0.1:8001";
     let c = chain(M, 1, 20, 16);
-    eventually(
-        || {
-            let a = api.clone();
-            Box::pin(async move { a.metric("kvroute_nats_connected").await == 1.0 })
-        },
-        "nats connected",
-    )
-    .await;
+    until_connected(&api).await;
     // Core NATS has no replay: wait for the subscription before the first publish.
     tokio::time::sleep(Duration::from_millis(200)).await;
     publish(&nc, &batch(pod, M, "e1", 0, vec![stored(&c[..12])])).await;
-    let a = api.clone();
-    let c2 = c.clone();
-    eventually(
-        move || {
-            let (a, c) = (a.clone(), c2.clone());
-            Box::pin(async move { matched(&a, &c).await == 12 })
-        },
-        "12 blocks indexed",
-    )
-    .await;
+    until_matched(&api, &c, 12, "12 blocks indexed").await;
     // Duplicate: no-op.
     publish(
         &nc,
@@ -77,30 +97,14 @@ async fn events_over_nats_drive_the_index() {
     )
     .await;
     publish(&nc, &batch(pod, M, "e1", 1, vec![stored(&c[12..14])])).await;
-    let (a, c2) = (api.clone(), c.clone());
-    eventually(
-        move || {
-            let (a, c) = (a.clone(), c2.clone());
-            Box::pin(async move { matched(&a, &c).await == 14 })
-        },
-        "duplicate ignored, next applied",
-    )
-    .await;
+    until_matched(&api, &c, 14, "duplicate ignored, next applied").await;
     // Malformed messages are counted and do not stall the subscription.
     nc.publish("kvroute.events.m.x", "{garbage".into())
         .await
         .expect("publish");
     // Restart: a new epoch drops the old blocks at once.
     publish(&nc, &batch(pod, M, "e2", 0, vec![stored(&c[..1])])).await;
-    let (a, c2) = (api.clone(), c.clone());
-    eventually(
-        move || {
-            let (a, c) = (a.clone(), c2.clone());
-            Box::pin(async move { matched(&a, &c).await == 1 })
-        },
-        "restart dropped old blocks",
-    )
-    .await;
+    until_matched(&api, &c, 1, "restart dropped old blocks").await;
     assert!(
         api.metric("kvroute_event_batches_rejected_total{reason=\"bad_json\"}")
             .await
@@ -138,14 +142,7 @@ async fn a_gap_marks_stale_and_resyncs_from_the_dump() {
         )
         .await;
     assert_eq!(r.status, 200);
-    eventually(
-        || {
-            let a = api.clone();
-            Box::pin(async move { a.metric("kvroute_nats_connected").await == 1.0 })
-        },
-        "nats connected",
-    )
-    .await;
+    until_connected(&api).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     publish(
         &nc,
@@ -154,15 +151,7 @@ async fn a_gap_marks_stale_and_resyncs_from_the_dump() {
     .await;
     // Batches 1..8 are lost; 9 arrives: gap → stale → dump fetched → full state, stale cleared.
     publish(&nc, &batch("127.0.0.1:8001", M, "e1", 9, vec![])).await;
-    let (a, c2) = (api.clone(), c.clone());
-    eventually(
-        move || {
-            let (a, c) = (a.clone(), c2.clone());
-            Box::pin(async move { matched(&a, &c).await == 16 })
-        },
-        "resynced from dump",
-    )
-    .await;
+    until_matched(&api, &c, 16, "resynced from dump").await;
     let p = api.get("/v1/pods/127.0.0.1:8001").await;
     assert_eq!(p.json["stale"], false, "{}", p.json);
     assert_eq!(api.metric("kvroute_resyncs_total{how=\"dump\"}").await, 1.0);
@@ -173,23 +162,9 @@ async fn nats_down_degrades_then_recovers() {
     let mut nats = Nats::start().expect("nats");
     let sc = SidecarProc::start(&["--nats", &nats.url()], false).expect("sidecar");
     let api = Api::new(sc.addr);
-    eventually(
-        || {
-            let a = api.clone();
-            Box::pin(async move { a.get("/readyz").await.status == 200 })
-        },
-        "ready",
-    )
-    .await;
+    until_ready(&api, 200, "ready").await;
     nats.stop();
-    eventually(
-        || {
-            let a = api.clone();
-            Box::pin(async move { a.get("/readyz").await.status == 503 })
-        },
-        "degraded",
-    )
-    .await;
+    until_ready(&api, 503, "degraded").await;
     // Still serving: HTTP ingestion and routing work while NATS is down.
     let c = chain(M, 3, 4, 16);
     assert_eq!(
@@ -200,27 +175,12 @@ async fn nats_down_degrades_then_recovers() {
     );
     assert_eq!(matched(&api, &c).await, 4);
     nats.restart().expect("nats back");
-    eventually(
-        || {
-            let a = api.clone();
-            Box::pin(async move { a.get("/readyz").await.status == 200 })
-        },
-        "reconnected",
-    )
-    .await;
+    until_ready(&api, 200, "reconnected").await;
     let nc = async_nats::connect(nats.url()).await.expect("client");
     tokio::time::sleep(Duration::from_millis(300)).await;
     let c2 = chain(M, 4, 6, 16);
     publish(&nc, &batch("127.0.0.1:8002", M, "e", 0, vec![stored(&c2)])).await;
-    let a = api.clone();
-    eventually(
-        move || {
-            let (a, c) = (a.clone(), c2.clone());
-            Box::pin(async move { matched(&a, &c).await == 6 })
-        },
-        "ingesting after reconnect",
-    )
-    .await;
+    until_matched(&api, &c2, 6, "ingesting after reconnect").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -280,14 +240,7 @@ async fn replicas_see_each_others_decisions() {
         for p in ["127.0.0.1:8001", "127.0.0.1:8002"] {
             api.register(p, M).await;
         }
-        eventually(
-            || {
-                let a = api.clone();
-                Box::pin(async move { a.metric("kvroute_nats_connected").await == 1.0 })
-            },
-            "connected",
-        )
-        .await;
+        until_connected(&api).await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     for i in 0..10 {
