@@ -240,7 +240,7 @@ async fn replicas_see_each_others_decisions() {
         for p in ["127.0.0.1:8001", "127.0.0.1:8002"] {
             api.register(p, M).await;
         }
-        until_connected(&api).await;
+        until_connected(api).await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     for i in 0..10 {
