@@ -57,6 +57,11 @@ pub struct FilterConfig {
     pub adapters: AdapterRule,
     /// Send completion reports from `on_log`.
     pub report: bool,
+    /// Reports sent together in one callout (1: each on its own). A callout costs Envoy
+    /// about as much CPU as proxying a small request, so reports travel in batches.
+    pub report_batch: usize,
+    /// A batch that is not full goes out after at most this long.
+    pub report_flush_ms: u64,
     /// Add `x-kvroute-pod` / `x-kvroute-matched-blocks` to responses (leaks cache state).
     pub debug_headers: bool,
     /// Bytes of a response body's tail kept to find `usage` in.
@@ -82,6 +87,8 @@ impl Default for FilterConfig {
             default_model: ModelSettings::default(),
             adapters: AdapterRule::default(),
             report: true,
+            report_batch: 32,
+            report_flush_ms: 20,
             debug_headers: false,
             usage_window_bytes: 16 << 10,
             binary_above_blocks: 512,
@@ -170,6 +177,18 @@ impl FilterConfig {
             errs.push(format!(
                 "usage_window_bytes must be in 256..=1048576 (got {})",
                 self.usage_window_bytes
+            ));
+        }
+        if !(1..=1024).contains(&self.report_batch) {
+            errs.push(format!(
+                "report_batch must be in 1..=1024 (got {})",
+                self.report_batch
+            ));
+        }
+        if !(1..=10_000).contains(&self.report_flush_ms) {
+            errs.push(format!(
+                "report_flush_ms must be in 1..=10000 (got {})",
+                self.report_flush_ms
             ));
         }
         if errs.is_empty() {

@@ -5,6 +5,7 @@
 //! header value) and a panic here would hang a paused request. Every host call's error
 //! is turned into "continue unsteered".
 
+use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::{Duration, SystemTime};
 
@@ -67,6 +68,37 @@ impl Metrics {
 struct Shared {
     cfg: FilterConfig,
     metrics: Metrics,
+    /// Reports waiting for the next batch callout. A RefCell suffices: a VM runs one
+    /// callback at a time on its own worker thread.
+    reports: RefCell<logic::ReportQueue>,
+}
+
+impl Shared {
+    /// Sends a batch of reports, fire and forget (the answer goes to the root context,
+    /// which ignores it; a lost batch only delays load release until its TTL).
+    fn send_reports(&self, batch: Option<(Vec<u8>, usize)>) {
+        let Some((body, n)) = batch else {
+            return;
+        };
+        let headers = vec![
+            (":method", "POST"),
+            (":path", self.cfg.report_path.as_str()),
+            (":authority", self.cfg.sidecar_authority.as_str()),
+            ("content-type", "application/json"),
+        ];
+        let timeout = Duration::from_millis(self.cfg.timeout_ms.max(1000));
+        if hostcalls::dispatch_http_call(
+            &self.cfg.sidecar_cluster,
+            headers,
+            Some(&body),
+            vec![],
+            timeout,
+        )
+        .is_ok()
+        {
+            Metrics::inc(self.metrics.reports, n as i64);
+        }
+    }
 }
 
 struct Root {
@@ -82,7 +114,11 @@ impl RootContext for Root {
             .flatten();
         match FilterConfig::parse(raw.as_deref()) {
             Ok(cfg) => {
+                if cfg.report && cfg.report_batch > 1 {
+                    let _ = hostcalls::set_tick_period(Duration::from_millis(cfg.report_flush_ms));
+                }
                 self.shared = Some(Rc::new(Shared {
+                    reports: RefCell::new(logic::ReportQueue::new(cfg.report_batch)),
                     cfg,
                     metrics: Metrics::define(),
                 }));
@@ -97,6 +133,13 @@ impl RootContext for Root {
                 }
                 false
             }
+        }
+    }
+
+    fn on_tick(&mut self) {
+        if let Some(sh) = &self.shared {
+            let batch = sh.reports.try_borrow_mut().ok().and_then(|mut q| q.take());
+            sh.send_reports(batch);
         }
     }
 
@@ -141,6 +184,8 @@ enum State {
         start: Option<SystemTime>,
         /// Time spent parsing and chaining the body (debug header, metric).
         prepare_us: u64,
+        /// Callout round trip as the filter saw it (debug header; 0 without a callout).
+        callout_us: u64,
     },
 }
 
@@ -178,6 +223,7 @@ impl Http {
         request_id: String,
         steered: Option<logic::Steer>,
         prepare_us: u64,
+        callout_us: u64,
     ) {
         let start = now();
         let tail = Tail::new(sh.cfg.usage_window_bytes);
@@ -189,6 +235,7 @@ impl Http {
             tail,
             start,
             prepare_us,
+            callout_us,
         };
     }
 }
@@ -217,10 +264,9 @@ impl Context for Http {
         if token != token_id {
             return;
         }
-        if let (Some(t0), Some(t1)) = (sent, now()) {
-            if let (Ok(d), Some(id)) = (t1.duration_since(t0), sh.metrics.callout_us) {
-                let _ = hostcalls::record_metric(id, d.as_micros().min(u64::MAX as u128) as u64);
-            }
+        let callout_us = micros_since(sent);
+        if let Some(id) = sh.metrics.callout_us {
+            let _ = hostcalls::record_metric(id, callout_us);
         }
         let status = header(MapType::HttpCallResponseHeaders, ":status");
         let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
@@ -254,7 +300,7 @@ impl Context for Http {
                 None
             }
         };
-        self.forward(&sh, model, request_id, steered, prepare_us);
+        self.forward(&sh, model, request_id, steered, prepare_us, callout_us);
         let _ = hostcalls::resume_http_request();
     }
 }
@@ -266,8 +312,15 @@ impl HttpContext for Http {
         };
         // Clients never choose the pod: drop their copies of the steering headers on
         // every request, routed or not (otherwise a client could reach any host).
-        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &sh.cfg.steer_header, None);
-        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &sh.cfg.prefill_header, None);
+        // Removing a header makes Envoy drop its route cache, so only remove what is there.
+        for h in [&sh.cfg.steer_header, &sh.cfg.prefill_header] {
+            if !matches!(
+                hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, h),
+                Ok(None)
+            ) {
+                let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, h, None);
+            }
+        }
         let method = header(MapType::HttpRequestHeaders, ":method");
         let path = header(MapType::HttpRequestHeaders, ":path");
         if end_of_stream || !logic::wants_body(&sh.cfg, method.as_deref(), path.as_deref()) {
@@ -363,7 +416,7 @@ impl HttpContext for Http {
             }
             Err(_) => {
                 sh.metrics.skip(Skip::DispatchFailed);
-                self.forward(&sh, prepared.model, rid, None, prepare_us);
+                self.forward(&sh, prepared.model, rid, None, prepare_us, 0);
                 Action::Continue
             }
         }
@@ -377,6 +430,7 @@ impl HttpContext for Http {
             status,
             steered,
             prepare_us,
+            callout_us,
             ..
         } = &mut self.state
         {
@@ -389,6 +443,12 @@ impl HttpContext for Http {
                     MapType::HttpResponseHeaders,
                     "x-kvroute-prepare-us",
                     Some(&p),
+                );
+                let c = callout_us.to_string();
+                let _ = hostcalls::set_map_value(
+                    MapType::HttpResponseHeaders,
+                    "x-kvroute-callout-us",
+                    Some(&c),
                 );
                 if let Some(s) = steered {
                     let _ = hostcalls::set_map_value(
@@ -455,23 +515,11 @@ impl HttpContext for Http {
             _ => 0.0,
         };
         let body = logic::report(request_id, model, &pod, *status, tail.usage(), duration_ms);
-        let headers = vec![
-            (":method", "POST"),
-            (":path", sh.cfg.report_path.as_str()),
-            (":authority", sh.cfg.sidecar_authority.as_str()),
-            ("content-type", "application/json"),
-        ];
-        let timeout = Duration::from_millis(sh.cfg.timeout_ms.max(1000));
-        if hostcalls::dispatch_http_call(
-            &sh.cfg.sidecar_cluster,
-            headers,
-            Some(&body),
-            vec![],
-            timeout,
-        )
-        .is_ok()
-        {
-            Metrics::inc(sh.metrics.reports, 1);
-        }
+        let batch = sh
+            .reports
+            .try_borrow_mut()
+            .ok()
+            .and_then(|mut q| q.push(&body));
+        sh.send_reports(batch);
     }
 }

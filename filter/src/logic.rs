@@ -189,6 +189,52 @@ pub fn report(
     serde_json::to_vec(&r).unwrap_or_default()
 }
 
+/// Completion reports waiting to leave in one callout, encoded as the JSON array the
+/// sidecar's `/v1/report` takes. It lives in the root context of each VM (one per Envoy
+/// worker) and is bounded by `max` reports: a full batch is handed back at once, a partial
+/// one on the flush tick.
+#[derive(Debug)]
+pub struct ReportQueue {
+    body: Vec<u8>,
+    count: usize,
+    max: usize,
+}
+
+impl ReportQueue {
+    pub fn new(max: usize) -> ReportQueue {
+        ReportQueue {
+            body: Vec::new(),
+            count: 0,
+            max: max.max(1),
+        }
+    }
+
+    /// Queues one encoded report; returns `(batch body, reports in it)` once `max` are in.
+    pub fn push(&mut self, report: &[u8]) -> Option<(Vec<u8>, usize)> {
+        if report.is_empty() {
+            return None;
+        }
+        self.body.push(if self.count == 0 { b'[' } else { b',' });
+        self.body.extend_from_slice(report);
+        self.count += 1;
+        if self.count >= self.max {
+            self.take()
+        } else {
+            None
+        }
+    }
+
+    /// The pending batch, if any.
+    pub fn take(&mut self) -> Option<(Vec<u8>, usize)> {
+        if self.count == 0 {
+            return None;
+        }
+        self.body.push(b']');
+        let n = std::mem::replace(&mut self.count, 0);
+        Some((std::mem::take(&mut self.body), n))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -318,6 +364,35 @@ mod tests {
         assert_eq!(
             (r.cached_tokens, r.status, r.pod.as_str()),
             (Some(8), 200, "p:1")
+        );
+    }
+
+    #[test]
+    fn report_queue_batches_into_a_json_array_the_sidecar_decodes() {
+        let mut q = ReportQueue::new(3);
+        assert!(q.take().is_none(), "nothing pending, nothing sent");
+        let one = report("r1", "m", "p:1", 200, None, 1.0);
+        assert!(q.push(&one).is_none());
+        assert!(q.push(&[]).is_none(), "an empty encoding is not queued");
+        assert!(q.push(&report("r2", "m", "p:2", 500, None, 2.0)).is_none());
+        let (body, n) = q
+            .push(&report("r3", "m", "p:1", 200, None, 3.0))
+            .expect("full");
+        assert_eq!(n, 3);
+        let b = kvroute_shared::protocol::ReportBatch::decode(&body).expect("decodes");
+        let ids: Vec<&str> = b.reports.iter().map(|r| r.request_id.as_str()).collect();
+        assert_eq!(ids, ["r1", "r2", "r3"]);
+        assert!(b.rejected.is_empty());
+        assert!(q.take().is_none(), "a sent batch is not sent twice");
+        assert!(q.push(&one).is_none());
+        let (body, n) = q.take().expect("partial batch on the tick");
+        assert_eq!(n, 1);
+        assert_eq!(
+            kvroute_shared::protocol::ReportBatch::decode(&body)
+                .expect("decodes")
+                .reports
+                .len(),
+            1
         );
     }
 }

@@ -322,6 +322,41 @@ pub struct CompletionReport {
     pub duration_ms: f64,
 }
 
+/// The reports in one `POST /v1/report` body: a single object, or an array of them (the
+/// filter batches reports so that a completion costs Envoy a fraction of a callout).
+#[derive(Debug, Default)]
+pub struct ReportBatch {
+    pub reports: Vec<CompletionReport>,
+    /// One line per rejected element (`index: reason`); the others still count.
+    pub rejected: Vec<String>,
+}
+
+impl ReportBatch {
+    /// Decodes a body. A body that is not JSON (or neither an object nor an array) is an
+    /// error; inside an array each element stands alone, so one bad report loses nothing else.
+    pub fn decode(body: &[u8]) -> Result<ReportBatch, String> {
+        let first = body.iter().find(|b| !b.is_ascii_whitespace());
+        if first != Some(&b'[') {
+            return serde_json::from_slice::<CompletionReport>(body)
+                .map(|r| ReportBatch {
+                    reports: vec![r],
+                    rejected: vec![],
+                })
+                .map_err(|e| format!("malformed completion report: {e}"));
+        }
+        let items: Vec<&serde_json::value::RawValue> = serde_json::from_slice(body)
+            .map_err(|e| format!("malformed completion report batch: {e}"))?;
+        let mut out = ReportBatch::default();
+        for (i, raw) in items.iter().enumerate() {
+            match serde_json::from_str::<CompletionReport>(raw.get()) {
+                Ok(r) => out.reports.push(r),
+                Err(e) => out.rejected.push(format!("{i}: {e}")),
+            }
+        }
+        Ok(out)
+    }
+}
+
 /// Per-model settings the sidecar enforces.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]

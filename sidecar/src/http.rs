@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use kvroute_shared::protocol::{
-    CompletionReport, EventBatch, PodRegistration, PolicyConfig, RouteRequest,
+    EventBatch, PodRegistration, PolicyConfig, ReportBatch, RouteRequest,
 };
 use serde_json::json;
 
@@ -141,12 +141,36 @@ fn route_msg(e: &RouteError) -> &str {
 }
 
 async fn report_h(State(api): State<Api>, body: Bytes) -> Response {
-    match parse::<CompletionReport>(&body, "completion report") {
-        Ok(r) => {
-            route::report(&api.sc, &r);
-            StatusCode::NO_CONTENT.into_response()
+    let rejected = |n: usize| {
+        api.sc
+            .metrics
+            .reports_rejected
+            .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed)
+    };
+    match ReportBatch::decode(&body) {
+        Ok(batch) => {
+            for r in &batch.reports {
+                route::report(&api.sc, r);
+            }
+            if batch.rejected.is_empty() {
+                return StatusCode::NO_CONTENT.into_response();
+            }
+            rejected(batch.rejected.len());
+            err(
+                StatusCode::BAD_REQUEST,
+                "bad_report",
+                format!(
+                    "{} of {} reports rejected (the others were applied): {}",
+                    batch.rejected.len(),
+                    batch.rejected.len() + batch.reports.len(),
+                    batch.rejected.join("; ")
+                ),
+            )
         }
-        Err(resp) => resp,
+        Err(e) => {
+            rejected(1);
+            err(StatusCode::BAD_REQUEST, "bad_json", e)
+        }
     }
 }
 

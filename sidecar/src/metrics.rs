@@ -106,6 +106,7 @@ pub struct Metrics {
     pub epochs: AtomicU64,
     pub pods_refused: AtomicU64,
     pub reports: AtomicU64,
+    pub reports_rejected: AtomicU64,
     pub cached_tokens: Family,
     pub mispredictions: AtomicU64,
     pub pods_removed: Family,
@@ -133,6 +134,7 @@ impl Default for Metrics {
             epochs: AtomicU64::new(0),
             pods_refused: AtomicU64::new(0),
             reports: AtomicU64::new(0),
+            reports_rejected: AtomicU64::new(0),
             cached_tokens: Family::default(),
             mispredictions: AtomicU64::new(0),
             pods_removed: Family::default(),
@@ -247,6 +249,12 @@ impl Metrics {
             "kvroute_reports_total",
             "Completion reports received.",
             r(&self.reports),
+        );
+        c(
+            &mut o,
+            "kvroute_reports_rejected_total",
+            "Completion reports refused as malformed (a bad body, or one element of a batch).",
+            r(&self.reports_rejected),
         );
         self.cached_tokens.render(
             &mut o,

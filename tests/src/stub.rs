@@ -14,7 +14,9 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::Router;
-use kvroute_shared::protocol::{CompletionReport, Ranked, RouteRequest, RouteResponse};
+use kvroute_shared::protocol::{
+    CompletionReport, Ranked, ReportBatch, RouteRequest, RouteResponse,
+};
 use parking_lot::Mutex;
 
 /// How the stub sidecar answers `/v1/route`.
@@ -106,12 +108,12 @@ async fn route(State(st): State<Arc<SidecarState>>, body: Bytes) -> Response {
 }
 
 async fn report(State(st): State<Arc<SidecarState>>, body: Bytes) -> StatusCode {
-    match serde_json::from_slice::<CompletionReport>(&body) {
-        Ok(r) => {
-            st.log.lock().reports.push(r);
+    match ReportBatch::decode(&body) {
+        Ok(b) if b.rejected.is_empty() => {
+            st.log.lock().reports.extend(b.reports);
             StatusCode::NO_CONTENT
         }
-        Err(_) => StatusCode::BAD_REQUEST,
+        _ => StatusCode::BAD_REQUEST,
     }
 }
 

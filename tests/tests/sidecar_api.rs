@@ -321,11 +321,28 @@ async fn reports_release_load_and_bounded_load_spreads_a_hot_prefix() {
     );
     assert_eq!(counts.len(), 4, "{counts:?}");
     assert_eq!(api.metric("kvroute_inflight_decisions").await, 40.0);
-    // Reports release it.
-    for i in 0..40 {
-        let pod = "127.0.0.1:8001";
-        api.post("/v1/report", json!({"request_id": format!("r{i}"), "pod": pod, "status": 200, "cached_tokens": 1024})).await;
+    // Reports release it: half one by one, half in a batch (as the filter sends them)
+    // that also carries one malformed element, which is refused alone.
+    let report = |i: usize| json!({"request_id": format!("r{i}"), "pod": "127.0.0.1:8001", "status": 200, "cached_tokens": 1024});
+    for i in 0..20 {
+        assert_eq!(api.post("/v1/report", report(i)).await.status, 204);
     }
+    let mut batch: Vec<serde_json::Value> = (20..40).map(report).collect();
+    batch.insert(3, json!({"request_id": "bad", "pod": 7}));
+    let r = api.post("/v1/report", &batch).await;
+    assert_eq!(r.status, 400, "{}", r.json);
+    assert!(
+        r.json["error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("1 of 21 reports rejected"),
+        "{}",
+        r.json
+    );
+    assert_eq!(api.metric("kvroute_reports_rejected_total").await, 1.0);
+    assert_eq!(api.metric("kvroute_reports_total").await, 40.0);
+    assert_eq!(api.post_raw("/v1/report", b"[{").await.status, 400);
+    assert_eq!(api.metric("kvroute_reports_rejected_total").await, 2.0);
     assert_eq!(api.metric("kvroute_inflight_decisions").await, 0.0);
     let p = api.get("/v1/pods/127.0.0.1:8001").await;
     assert_eq!(p.json["load"]["inflight"], 0, "{}", p.json);

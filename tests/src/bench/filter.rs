@@ -26,20 +26,51 @@ pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
     let sc = SidecarProc::start(&[], true)?;
     let api = Api::new(sc.addr);
     api.register(&pod.addr.to_string(), "m").await;
-    let layout = |with_filter: bool| EnvoyLayout {
-        listen_port: 0,
-        sidecar: SidecarAddr::Uds(sc.uds.clone().unwrap_or_default()),
-        engines: vec![pod.addr],
-        wasm_path: wasm.clone(),
-        filter_config: json!({"timeout_ms": 100, "default_model": {"block_size": 16}, "debug_headers": true,
-                              "max_body_bytes": 16 << 20}),
-        with_filter,
-        fallback: Fallback::RoundRobin,
-        access_log: false,
+    let base = json!({"timeout_ms": 100, "default_model": {"block_size": 16}, "debug_headers": true,
+                      "max_body_bytes": 16 << 20});
+    let with = |patch: serde_json::Value| {
+        let mut c = base.clone();
+        for (k, v) in patch.as_object().into_iter().flatten() {
+            c[k] = v.clone();
+        }
+        Some(c)
     };
-    let (l1, l2) = (layout(false), layout(true));
-    let plain = tokio::task::spawn_blocking(move || Envoy::start(&l1)).await??;
-    let kv = tokio::task::spawn_blocking(move || Envoy::start(&l2)).await??;
+    // Besides plain and full, three partial set-ups show where the added time goes: the
+    // filter loaded but not matching the path, the body buffered and chained without a
+    // callout, and the callout without the completion report.
+    let variants: Vec<(&str, Option<serde_json::Value>)> = vec![
+        ("plain", None),
+        (
+            "wasm-nomatch",
+            with(json!({"paths": ["/v1/chat/completions"]})),
+        ),
+        (
+            "body-only",
+            with(json!({"default_model": {"block_size": 16, "route_text": false}})),
+        ),
+        (
+            "null-callout",
+            with(json!({"report": false, "route_path": "/healthz"})),
+        ),
+        ("no-report", with(json!({"report": false}))),
+        ("kvroute", with(json!({}))),
+    ];
+    let mut envoys = Vec::new();
+    for (name, cfg) in &variants {
+        let layout = EnvoyLayout {
+            listen_port: 0,
+            sidecar: SidecarAddr::Uds(sc.uds.clone().unwrap_or_default()),
+            engines: vec![pod.addr],
+            wasm_path: wasm.clone(),
+            filter_config: cfg.clone().unwrap_or_default(),
+            with_filter: cfg.is_some(),
+            fallback: Fallback::RoundRobin,
+            access_log: false,
+        };
+        let e = tokio::task::spawn_blocking(move || Envoy::start(&layout)).await??;
+        envoys.push((*name, e));
+    }
+    let kv = &envoys[envoys.len() - 1].1;
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(4)
         .build()?;
@@ -53,9 +84,12 @@ pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
             [..bytes]
             .to_string();
         let body = serde_json::to_vec(&json!({"model": "m", "prompt": text, "max_tokens": 1}))?;
-        let (mut a, mut b) = (Samples::default(), Samples::default());
+        let mut samples: Vec<Samples> = envoys.iter().map(|_| Samples::default()).collect();
+        let mut callout = Samples::default();
+        let cpu0: Vec<u64> = envoys.iter().map(|(_, e)| cpu_ns(e.child.pid())).collect();
+        let sc0 = cpu_ns(sc.pid());
         for i in 0..n + 20 {
-            for (e, s) in [(&plain, &mut a), (&kv, &mut b)] {
+            for (k, (_, e)) in envoys.iter().enumerate() {
                 let t = Instant::now();
                 let r = http
                     .post(e.url("/v1/completions"))
@@ -63,12 +97,53 @@ pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
                     .send()
                     .await?;
                 anyhow::ensure!(r.status().is_success(), "status {}", r.status());
+                let c: Option<u64> = r
+                    .headers()
+                    .get("x-kvroute-callout-us")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse().ok());
                 let _ = r.bytes().await?;
                 if i >= 20 {
-                    s.push(t.elapsed().as_nanos() as u64);
+                    samples[k].push(t.elapsed().as_nanos() as u64);
+                    if k == envoys.len() - 1 {
+                        if let Some(c) = c {
+                            callout.push(c);
+                        }
+                    }
                 }
             }
         }
+        let cpu: Vec<String> = envoys
+            .iter()
+            .zip(&cpu0)
+            .map(|((name, e), c0)| {
+                format!(
+                    "{name} {:.0}",
+                    cpu_ns(e.child.pid()).saturating_sub(*c0) as f64 / 1e3 / (n + 20) as f64
+                )
+            })
+            .collect();
+        println!(
+            "  {label:>4} prompt: Envoy CPU per request (us): {}; sidecar CPU per callout {:.0} us (route + report)",
+            cpu.join(", "),
+            cpu_ns(sc.pid()).saturating_sub(sc0) as f64 / 1e3 / (n + 20) as f64 / 3.0
+        );
+        let p50s: Vec<u64> = samples.iter_mut().map(|s| s.pct(50.0)).collect();
+        let parts: Vec<String> = envoys
+            .iter()
+            .zip(&p50s)
+            .skip(1)
+            .map(|((name, _), p)| format!("{name} +{:.0}", p.saturating_sub(p50s[0]) as f64 / 1e3))
+            .collect();
+        println!(
+            "  {label:>4} prompt: added p50 by set-up (us): {}; callout as the filter sees it p50 {} us",
+            parts.join(", "),
+            callout.pct(50.0)
+        );
+        out[format!("callout_p50_us_{label}")] = json!(callout.pct(50.0));
+        let last = samples.len() - 1;
+        let (a, b) = samples.split_at_mut(last);
+        let (a, b) = (&mut a[0], &mut b[0]);
         let (a50, a99, b50, b99) = (a.pct(50.0), a.pct(99.0), b.pct(50.0), b.pct(99.0));
         let added50 = b50.saturating_sub(a50) as f64 / 1e3;
         let added99 = b99.saturating_sub(a99) as f64 / 1e3;
@@ -98,6 +173,15 @@ pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
         .trim()
         .to_string();
     println!("  callout histogram (us): {callout}");
+    let cx = crate::envoy::http_get(&format!(
+        "http://{}/stats?filter=kvroute_sidecar.upstream_(cx_total|rq_total|cx_destroy.*)",
+        kv.admin
+    ))
+    .unwrap_or_default();
+    println!(
+        "  sidecar cluster: {}",
+        cx.split_whitespace().collect::<Vec<_>>().join(" ")
+    );
     let route_sum = api.metric("kvroute_route_seconds_sum").await;
     let route_n = api.metric("kvroute_route_seconds_count").await;
     println!(
@@ -135,4 +219,16 @@ pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
     out["chain_128k_tokens_us"] = json!(chain_us);
     out["prompt_128k_json_bytes"] = json!(body.len());
     Ok(out)
+}
+
+/// CPU time (ns) of all threads of a process, from the scheduler's own accounting.
+fn cpu_ns(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
 }
