@@ -527,6 +527,16 @@ impl<'de: 'a, 'a> Visitor<'de> for FirstVisitor<'a> {
 /// Parse a request body sent to `endpoint`. Never panics; serde_json's recursion limit
 /// bounds nesting depth.
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request<'_>, CanonError> {
+    if endpoint == Endpoint::Completions {
+        if let Some(r) = crate::skim::token_completion(body) {
+            return Ok(r);
+        }
+    }
+    parse_with_serde(endpoint, body)
+}
+
+/// [`parse`] without the token-list fast path: the definition the fast path must match.
+pub(crate) fn parse_with_serde(endpoint: Endpoint, body: &[u8]) -> Result<Request<'_>, CanonError> {
     let b: Body<'_> = serde_json::from_slice(body).map_err(|e| CanonError::Json(e.to_string()))?;
     let prompt = match endpoint {
         Endpoint::Completions => match b.prompt.ok_or(CanonError::Missing("prompt"))? {

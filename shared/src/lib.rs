@@ -11,5 +11,6 @@
 pub mod canon;
 pub mod chain;
 pub mod protocol;
+mod skim;
 
 pub use chain::{common_prefix_blocks, ChainHasher, Mode, Namespace};

@@ -195,7 +195,7 @@ pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
         .collect();
     let body = serde_json::to_vec(&json!({"model": "m", "prompt": toks, "max_tokens": 1}))?;
     let mut prep = Samples::default();
-    for _ in 0..20 {
+    for _ in 0..60 {
         let r = http
             .post(kv.url("/v1/completions"))
             .body(body.clone())
@@ -213,8 +213,10 @@ pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
     }
     let chain_us = prep.pct(50.0);
     println!(
-        "  filter time in v8 for a 128k-token prompt ({} KB JSON): parse + chain p50 {chain_us} us",
-        body.len() >> 10
+        "  filter time in v8 for a 128k-token prompt ({} KB JSON): parse + chain p50 {chain_us} us, min {} us, p90 {} us",
+        body.len() >> 10,
+        prep.pct(0.0),
+        prep.pct(90.0)
     );
     out["chain_128k_tokens_us"] = json!(chain_us);
     out["prompt_128k_json_bytes"] = json!(body.len());
