@@ -3,6 +3,12 @@
 //! socket) — for a 4 KB and a 256 KB prompt, requests alternating between the two so
 //! drift hits both alike; and the filter's own time inside v8 (parse + canonicalize +
 //! chain) for a 128k-token prompt, read from its debug header.
+//!
+//! Partial set-ups in the same run split the added time: the filter loaded but not
+//! matching, the body parsed without a callout, a callout to an endpoint that answers at
+//! once (`null-callout`: the floor any out-of-process decision pays in this Envoy), and
+//! no reports. Envoy's and the sidecar's CPU per request come from the scheduler's
+//! accounting, since on a shared 2-core machine CPU, not idle waiting, sets the latency.
 
 use std::time::Instant;
 
@@ -129,6 +135,10 @@ pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
             cpu_ns(sc.pid()).saturating_sub(sc0) as f64 / 1e3 / (n + 20) as f64 / 3.0
         );
         let p50s: Vec<u64> = samples.iter_mut().map(|s| s.pct(50.0)).collect();
+        for ((name, _), p) in envoys.iter().zip(&p50s).skip(1) {
+            out[format!("added_p50_us_{label}_{}", name.replace('-', "_"))] =
+                json!(p.saturating_sub(p50s[0]) as f64 / 1e3);
+        }
         let parts: Vec<String> = envoys
             .iter()
             .zip(&p50s)
