@@ -438,7 +438,7 @@ impl Default for PolicyConfig {
             default_model: ModelConfig::default(),
             prefill_weight: 1.0,
             load_weight: 1.0,
-            decode_weight: 0.0,
+            decode_weight: 0.1,
             queue_weight: 0.0,
             predicted_weight: 0.7,
             prefill_tokens_per_s: 10_000.0,

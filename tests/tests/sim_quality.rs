@@ -39,8 +39,9 @@ fn check(label: &str, reqs: &[kvroute_tests::workload::Request], o: &SimOpts) {
         kv.hit_rate,
         rr.hit_rate
     );
+    // The balance goal, met by the defaults on every built-in workload and the trace.
     assert!(
-        kv.max_mean_load <= 1.5,
+        kv.max_mean_load <= 1.3,
         "{label}: max/mean load {}",
         kv.max_mean_load
     );
