@@ -412,6 +412,9 @@ pub struct PolicyConfig {
     pub stale_factor: f64,
     /// Bounded load: no pod gets more than (1 + ε) × the mean projected load.
     pub balance_epsilon: f64,
+    /// Requests above the mean a pod may always take, whatever ε says: with a handful of
+    /// requests per pod, rounding alone would otherwise evict sessions from their caches.
+    pub balance_slack: f64,
     /// 0 = argmin; > 0 samples from softmax(−cost / temperature).
     pub temperature: f64,
     /// Carry the per-pod breakdown in route answers (leaks cache state: off by default).
@@ -450,6 +453,7 @@ impl Default for PolicyConfig {
             ]),
             stale_factor: 0.5,
             balance_epsilon: 0.25,
+            balance_slack: 2.0,
             temperature: 0.0,
             explain: false,
             predicted_ttl_s: 120,
@@ -477,6 +481,7 @@ impl PolicyConfig {
         finite_nonneg("queue_weight", self.queue_weight);
         finite_nonneg("decode_weight", self.decode_weight);
         finite_nonneg("balance_epsilon", self.balance_epsilon);
+        finite_nonneg("balance_slack", self.balance_slack);
         finite_nonneg("temperature", self.temperature);
         for (tier, c) in &self.tier_cost {
             if !(0.0..=1.0).contains(c) {

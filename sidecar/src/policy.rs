@@ -167,9 +167,6 @@ pub struct Ranking {
     pub pick: usize,
 }
 
-/// Requests above the mean a pod may always take (see [`pick`]).
-const BALANCE_SLACK: f64 = 2.0;
-
 /// Score every candidate and pick one. `None` when there is no candidate.
 pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Ranking> {
     if cands.is_empty() {
@@ -177,12 +174,12 @@ pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Rankin
     }
     let total: u64 = cands.iter().map(|c| c.load.inflight as u64).sum();
     let mean = (total + 1) as f64 / cands.len() as f64;
-    // (1 + ε) × mean, but never tighter than two requests above the mean: with a handful
-    // of requests per pod the rounding alone would otherwise evict sessions from the
-    // pods that hold their caches.
+    // (1 + ε) × mean, but never tighter than `balance_slack` requests above the mean: with
+    // a handful of requests per pod the rounding alone would otherwise evict sessions from
+    // the pods that hold their caches.
     let cap = ((1.0 + cfg.balance_epsilon) * mean)
         .ceil()
-        .max(mean.ceil() + BALANCE_SLACK)
+        .max(mean.ceil() + cfg.balance_slack)
         .max(1.0) as u64;
     let mut order: Vec<(usize, Score, bool)> = cands
         .iter()
