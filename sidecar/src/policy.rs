@@ -118,8 +118,12 @@ pub fn hits(cfg: &PolicyConfig, c: &Candidate) -> f64 {
     h.max(0.0)
 }
 
-pub fn cost(cfg: &PolicyConfig, ask: &Ask, c: &Candidate) -> Score {
-    let hits = if ask.load_only { 0.0 } else { hits(cfg, c) };
+pub fn cost(cfg: &PolicyConfig, ask: &Ask, c: &Candidate, shared: f64) -> Score {
+    let hits = if ask.load_only {
+        0.0
+    } else {
+        hits(cfg, c).max(shared)
+    };
     let uncached = (ask.prompt_blocks as f64 - hits).max(0.0);
     let bs = ask.block_size.max(1) as f64;
     let queued_prefill = c.load.pending_prefill_tokens as f64 / bs;
@@ -158,6 +162,20 @@ pub fn rendezvous(tie: u64, pod: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// Hits on a prefix that at least half the candidates, and at least three, hold (a
+/// common system prompt), credited to every candidate. Such a prefix will be everywhere soon anyway, so the few
+/// pods still without it must not be shunned for it: otherwise the pods that cached it
+/// first draw every new conversation, which then stays there while the others idle.
+pub fn shared_hits(cfg: &PolicyConfig, cands: &[Candidate]) -> f64 {
+    let half = cands.len().div_ceil(2).max(3);
+    if half > cands.len() {
+        return 0.0;
+    }
+    let mut h: Vec<f64> = cands.iter().map(|c| hits(cfg, c)).collect();
+    h.sort_by(|a, b| b.total_cmp(a));
+    h.get(half - 1).copied().unwrap_or(0.0)
+}
+
 /// The ranked candidates and the pick.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Ranking {
@@ -181,10 +199,11 @@ pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Rankin
         .ceil()
         .max(mean.ceil() + cfg.balance_slack)
         .max(1.0) as u64;
+    let shared = shared_hits(cfg, cands);
     let mut order: Vec<(usize, Score, bool)> = cands
         .iter()
         .enumerate()
-        .map(|(i, c)| (i, cost(cfg, ask, c), (c.load.inflight as u64) < cap))
+        .map(|(i, c)| (i, cost(cfg, ask, c, shared), (c.load.inflight as u64) < cap))
         .collect();
     order.sort_by(|a, b| {
         a.1.cost.total_cmp(&b.1.cost).then_with(|| {
@@ -305,6 +324,40 @@ mod tests {
     }
 
     #[test]
+    fn a_prefix_most_pods_hold_does_not_shun_the_rest() {
+        let cfg = PolicyConfig::default();
+        // A 60-block system prompt on pods 0-2 (busy), not yet on pod 3 (idle): credited to
+        // every pod, so the new conversation goes to the idle pod by load.
+        let busy = |id| Candidate {
+            load: LoadView {
+                decode_blocks: 400,
+                ..cand(id, 60, 3, 0).load
+            },
+            ..cand(id, 60, 3, 0)
+        };
+        let c = [busy(0), busy(1), busy(2), cand(3, 0, 0, 0)];
+        assert_eq!(shared_hits(&cfg, &c), 60.0);
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert_eq!(r.order[r.pick].0, 3);
+        // Held by one pod of four (a conversation's own history): no credit, the holder wins.
+        let c = [
+            busy(0),
+            cand(1, 0, 0, 0),
+            cand(2, 0, 0, 0),
+            cand(3, 0, 0, 0),
+        ];
+        assert_eq!(shared_hits(&cfg, &c), 0.0);
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert_eq!(r.order[r.pick].0, 0);
+        // Two or three candidates: too few to call anything common.
+        assert_eq!(shared_hits(&cfg, &[busy(0), busy(1)]), 0.0);
+        assert_eq!(
+            shared_hits(&cfg, &[busy(0), busy(1), cand(2, 0, 0, 0)]),
+            0.0
+        );
+    }
+
+    #[test]
     fn bounded_load_breaks_hot_spots() {
         let cfg = PolicyConfig::default();
         // Everyone shares the prefix; pod 0 holds it and already has far more in flight.
@@ -365,7 +418,8 @@ mod tests {
                     load_only: true,
                     ..ask(64)
                 },
-                &c
+                &c,
+                0.0
             )
             .cost,
             0.0
