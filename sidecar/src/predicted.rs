@@ -18,13 +18,19 @@ use parking_lot::Mutex;
 
 use crate::index::{Indexes, ModelIndex};
 
+/// How long a guess is trusted to still be in the index before a repeat stores it again
+/// (the index's own capacity bound may have dropped it).
+const REFRESH: Duration = Duration::from_secs(1);
+
 struct PodLru {
     model: String,
     /// Current (adaptive) capacity in blocks.
     cap: f64,
     order: VecDeque<(u64, Instant)>,
-    /// Block → time of its latest insertion (older queue entries are stale).
-    live: HashMap<u64, Instant>,
+    /// Block → time of its latest insertion (older queue entries are stale). hashbrown's
+    /// default hasher (foldhash, seeded per process): keys come from clients' prompts, so
+    /// the map must resist crafted collisions, and SipHash cost a fifth of each insert.
+    live: hashbrown::HashMap<u64, Instant>,
 }
 
 #[derive(Default)]
@@ -45,20 +51,31 @@ impl Predicted {
         }
         let ix = self.index(model, cap.saturating_mul(256));
         let Ok(h) = ix.join(pod) else { return };
-        let _ = ix.store(h, Tier::Gpu, chain);
-        let mut pods = self.pods.lock();
-        let lru = pods.entry(Arc::from(pod)).or_insert_with(|| PodLru {
-            model: model.to_string(),
-            cap: cap as f64,
-            order: VecDeque::new(),
-            live: HashMap::new(),
-        });
-        for &b in chain {
-            lru.live.insert(b, now);
-            lru.order.push_back((b, now));
+        // A prompt mostly repeats what the pod was just given (a system prompt, the earlier
+        // turns): those blocks only renew their place in the LRU; only new ones (or ones
+        // whose guess is older than REFRESH, in case the index's own cap dropped them) are
+        // stored in the index again, which was most of the cost of a long prompt.
+        let mut fresh = Vec::new();
+        let evicted = {
+            let mut pods = self.pods.lock();
+            let lru = pods.entry(Arc::from(pod)).or_insert_with(|| PodLru {
+                model: model.to_string(),
+                cap: cap as f64,
+                order: VecDeque::new(),
+                live: hashbrown::HashMap::new(),
+            });
+            for &b in chain {
+                match lru.live.insert(b, now) {
+                    Some(before) if now.saturating_duration_since(before) < REFRESH => {}
+                    _ => fresh.push(b),
+                }
+                lru.order.push_back((b, now));
+            }
+            evict(lru, lru.cap as usize, None)
+        };
+        if !fresh.is_empty() {
+            let _ = ix.store(h, Tier::Gpu, &fresh);
         }
-        let evicted = evict(lru, lru.cap as usize, None);
-        drop(pods);
         if !evicted.is_empty() {
             let _ = ix.remove(h, Tier::Gpu, &evicted);
         }
@@ -152,4 +169,49 @@ fn evict(lru: &mut PodLru, cap: usize, ttl: Option<(Duration, Instant)>) -> Vec<
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn depth(p: &Predicted, chain: &[u64]) -> u32 {
+        depth_on(p, "p", chain)
+    }
+
+    fn depth_on(p: &Predicted, pod: &str, chain: &[u64]) -> u32 {
+        p.indexes
+            .get("m")
+            .map(|ix| ix.lookup(chain))
+            .unwrap_or_default()
+            .iter()
+            .find(|m| &*m.pod == pod)
+            .map_or(0, |m| m.depth)
+    }
+
+    #[test]
+    fn repeats_refresh_at_most_once_per_interval_and_expire_by_ttl() {
+        let p = Predicted::default();
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let chain: Vec<u64> = (1..=64).collect();
+        p.insert("m", "p", &chain, 1 << 16, at(0));
+        assert_eq!(depth(&p, &chain), 64);
+        // A repeat renews the guess (its TTL runs from the latest use)...
+        p.insert("m", "p", &chain, 1 << 16, at(500));
+        p.expire(Duration::from_millis(900), at(1000));
+        assert_eq!(depth(&p, &chain), 64, "renewed at 0.5 s");
+        // ...and a guess unused for longer than the TTL goes.
+        p.expire(Duration::from_millis(900), at(1500));
+        assert_eq!(depth(&p, &chain), 0, "expired");
+        assert_eq!(p.entries(), 0);
+        p.insert("m", "p", &chain, 1 << 16, at(2000));
+        assert_eq!(depth(&p, &chain), 64, "stored again after expiry");
+        // Capacity still bounds what is held: the oldest guesses go first.
+        let long: Vec<u64> = (1000..1100).collect();
+        p.insert("m", "q", &long, 32, at(3600));
+        p.insert("m", "q", &long, 32, at(3700));
+        assert_eq!(depth_on(&p, "q", &long), 0, "the prefix was evicted");
+        assert_eq!(depth_on(&p, "q", &long[68..]), 32, "the last 32 are held");
+    }
 }
