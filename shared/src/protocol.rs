@@ -415,6 +415,9 @@ pub struct PolicyConfig {
     /// Requests above the mean a pod may always take, whatever ε says: with a handful of
     /// requests per pod, rounding alone would otherwise evict sessions from their caches.
     pub balance_slack: f64,
+    /// The same slack for the requests in flight that were routed by one prefix (the
+    /// per-prefix bound that spreads a hot system prompt).
+    pub prefix_balance_slack: f64,
     /// 0 = argmin; > 0 samples from softmax(−cost / temperature).
     pub temperature: f64,
     /// Carry the per-pod breakdown in route answers (leaks cache state: off by default).
@@ -453,7 +456,8 @@ impl Default for PolicyConfig {
             ]),
             stale_factor: 0.5,
             balance_epsilon: 0.25,
-            balance_slack: 4.0,
+            balance_slack: 6.0,
+            prefix_balance_slack: 4.0,
             temperature: 0.0,
             explain: false,
             predicted_ttl_s: 120,
@@ -482,6 +486,7 @@ impl PolicyConfig {
         finite_nonneg("decode_weight", self.decode_weight);
         finite_nonneg("balance_epsilon", self.balance_epsilon);
         finite_nonneg("balance_slack", self.balance_slack);
+        finite_nonneg("prefix_balance_slack", self.prefix_balance_slack);
         finite_nonneg("temperature", self.temperature);
         for (tier, c) in &self.tier_cost {
             if !(0.0..=1.0).contains(c) {

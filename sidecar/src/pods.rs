@@ -95,6 +95,7 @@ impl Pod {
                 + self.remote.values().map(|r| r.2).sum::<u64>(),
             inflight: self.projected.inflight + self.remote.len() as u32,
             queued: 0,
+            prefix_inflight: 0,
         };
         if let Some(e) = self.engine {
             if now.duration_since(e.at).as_secs_f64() < ENGINE_LOAD_FRESH_S {

@@ -28,6 +28,9 @@ pub struct LoadView {
     pub inflight: u32,
     /// Requests the engine reports waiting.
     pub queued: u32,
+    /// Requests in flight on this pod that were routed by the same cached prefix as this
+    /// one (the deepest prefix any pod holds); see [`pick`].
+    pub prefix_inflight: u32,
 }
 
 /// When a pod's queued prefills should be done: prefills run one at a time, so each
@@ -200,10 +203,22 @@ pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Rankin
         .max(mean.ceil() + cfg.balance_slack)
         .max(1.0) as u64;
     let shared = shared_hits(cfg, cands);
+    // The same bound per prefix: a prefix that many concurrent requests are routed by (a
+    // system prompt while it is on few pods) spreads over more pods as its own load grows,
+    // while the pod-wide bound can stay loose enough not to split a prefix that is merely
+    // on a busy pod (which costs a full prefill of it elsewhere).
+    let ptotal: u64 = cands.iter().map(|c| c.load.prefix_inflight as u64).sum();
+    let pmean = (ptotal + 1) as f64 / cands.len() as f64;
+    let pcap = ((1.0 + cfg.balance_epsilon) * pmean)
+        .ceil()
+        .max(pmean.ceil() + cfg.prefix_balance_slack) as u64;
     let mut order: Vec<(usize, Score, bool)> = cands
         .iter()
         .enumerate()
-        .map(|(i, c)| (i, cost(cfg, ask, c, shared), (c.load.inflight as u64) < cap))
+        .map(|(i, c)| {
+            let ok = (c.load.inflight as u64) < cap && (c.load.prefix_inflight as u64) < pcap;
+            (i, cost(cfg, ask, c, shared), ok)
+        })
         .collect();
     order.sort_by(|a, b| {
         a.1.cost.total_cmp(&b.1.cost).then_with(|| {
@@ -297,6 +312,7 @@ mod tests {
                 decode_blocks: 0,
                 inflight,
                 queued: 0,
+                prefix_inflight: 0,
             },
         }
     }
@@ -362,15 +378,33 @@ mod tests {
         let cfg = PolicyConfig::default();
         // Everyone shares the prefix; pod 0 holds it and already has far more in flight.
         let c = [
-            cand(0, 64, 9, 0),
+            cand(0, 64, 12, 0),
             cand(1, 0, 1, 0),
             cand(2, 0, 1, 0),
             cand(3, 0, 1, 0),
         ];
         let r = pick(&cfg, &ask(64), &c).expect("pick");
         assert_eq!(r.order[0].0, 0, "pod 0 is cheapest");
-        assert!(!r.order[0].2, "but above (1+eps) x mean");
+        assert!(!r.order[0].2, "but above the pod-wide bound");
         assert_ne!(r.order[r.pick].0, 0);
+        // Within the pod-wide bound, but this prefix alone has 9 of its 12 requests there.
+        let hot = |id, inflight, prefix_inflight| Candidate {
+            load: LoadView {
+                prefix_inflight,
+                ..cand(id, 0, inflight, 0).load
+            },
+            ..cand(id, if id == 0 { 64 } else { 0 }, inflight, 0)
+        };
+        let c = [hot(0, 9, 9), hot(1, 6, 1), hot(2, 6, 1), hot(3, 6, 1)];
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert!(
+            !r.order[0].2 && r.order[r.pick].0 != 0,
+            "the prefix spreads"
+        );
+        // The same pod load from other prefixes: the holder keeps the request.
+        let c = [hot(0, 9, 1), hot(1, 6, 0), hot(2, 6, 0), hot(3, 6, 0)];
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert_eq!(r.order[r.pick].0, 0);
     }
 
     #[test]

@@ -101,6 +101,14 @@ fn route_inner(sc: &Sidecar, req: &RouteRequest) -> Result<RouteResponse, RouteE
         (None, None, Some(r)) => xxhash_rust::xxh3::xxh3_64(r.as_bytes()),
         _ => 0,
     };
+    // The prefix this request is routed by: the deepest one any pod holds.
+    let prefix_key = (deepest as usize)
+        .checked_sub(1)
+        .and_then(|d| req.chain.get(d))
+        .copied();
+    let prefix_load = prefix_key
+        .and_then(|k| sc.prefix_load.lock().get(&k).cloned())
+        .unwrap_or_default();
     let ask = Ask {
         prompt_blocks,
         block_size: bs,
@@ -152,7 +160,10 @@ fn route_inner(sc: &Sidecar, req: &RouteRequest) -> Result<RouteResponse, RouteE
                             .map_or(0, |x| x.depth),
                         tiers: None,
                         stale: p.stale,
-                        load: p.load_view(now, cfg.prefill_tokens_per_s),
+                        load: crate::policy::LoadView {
+                            prefix_inflight: prefix_load.get(id).copied().unwrap_or(0),
+                            ..p.load_view(now, cfg.prefill_tokens_per_s)
+                        },
                     },
                     id.clone(),
                 ));
@@ -285,7 +296,16 @@ fn route_inner(sc: &Sidecar, req: &RouteRequest) -> Result<RouteResponse, RouteE
             chain_blocks: req.chain.len() as u64,
             id: id.clone(),
             inflight: true,
+            prefix: prefix_key,
         };
+        if let Some(k) = prefix_key {
+            *sc.prefix_load
+                .lock()
+                .entry(k)
+                .or_default()
+                .entry(winner.clone())
+                .or_insert(0) += 1;
+        }
         sc.broadcast(&d, LoadOp::Add);
         sc.decisions.lock().insert(id.clone(), d);
         if predicted_mode {
@@ -312,6 +332,7 @@ fn route_inner(sc: &Sidecar, req: &RouteRequest) -> Result<RouteResponse, RouteE
                     chain_blocks: 0,
                     id: pid.clone(),
                     inflight: false,
+                    prefix: None,
                 };
                 sc.broadcast(&d, LoadOp::Add);
                 sc.decisions.lock().insert(pid, d);
@@ -355,6 +376,20 @@ pub fn release(sc: &Sidecar, d: &Decision, how: &str) {
         }
     }
     drop(pods);
+    if let (Some(k), true) = (d.prefix, d.inflight) {
+        let mut pl = sc.prefix_load.lock();
+        if let Some(per_pod) = pl.get_mut(&k) {
+            if let Some(n) = per_pod.get_mut(&d.pod) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    per_pod.remove(&d.pod);
+                }
+            }
+            if per_pod.is_empty() {
+                pl.remove(&k);
+            }
+        }
+    }
     sc.broadcast(d, LoadOp::Release);
     sc.metrics.load_released.inc(how, 1);
 }
@@ -406,5 +441,71 @@ pub fn report(sc: &Sidecar, r: &CompletionReport) {
                 cfg.predicted_capacity_blocks,
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute_shared::protocol::{PodRegistration, PolicyConfig};
+
+    #[test]
+    fn prefix_load_follows_decisions_and_is_released() {
+        let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+        for p in 0..4 {
+            let reg: PodRegistration =
+                serde_json::from_value(serde_json::json!({"model": "m"})).expect("reg");
+            sc.register(&format!("10.0.0.{p}:8000"), reg)
+                .expect("register");
+        }
+        // Text mode: every decision is also a prediction, so the second request is routed
+        // by the first one's prefix.
+        let req = |i: u32| RouteRequest {
+            model: "m".into(),
+            adapter: String::new(),
+            mode: Mode::Text,
+            block_size: 256,
+            chain: (1..=8).chain([100 + i as u64]).collect(),
+            prompt_tokens: 9 * 64,
+            request_id: Some(format!("r{i}")),
+            session: None,
+            role: None,
+            dry_run: false,
+        };
+        let first = route(&sc, &req(0)).expect("route");
+        assert!(
+            sc.prefix_load.lock().is_empty(),
+            "a cold prompt has no prefix"
+        );
+        for i in 1..=3 {
+            route(&sc, &req(i)).expect("route");
+        }
+        let held: u32 = sc
+            .prefix_load
+            .lock()
+            .values()
+            .flat_map(|m| m.values())
+            .sum();
+        assert_eq!(held, 3);
+        assert!(sc
+            .prefix_load
+            .lock()
+            .values()
+            .any(|m| m.contains_key(first.pod.as_str())));
+        for i in 0..=3 {
+            report(
+                &sc,
+                &CompletionReport {
+                    request_id: format!("r{i}"),
+                    pod: first.pod.clone(),
+                    status: 200,
+                    ..Default::default()
+                },
+            );
+        }
+        assert!(
+            sc.prefix_load.lock().is_empty(),
+            "reports release every count"
+        );
     }
 }

@@ -52,6 +52,9 @@ pub struct Decision {
     pub id: String,
     /// Counted in the pod's in-flight requests (false for a prefill pod's share).
     pub inflight: bool,
+    /// The cached prefix the request was routed by (its last block), for the per-prefix
+    /// load bound.
+    pub prefix: Option<u64>,
 }
 
 pub struct Channels {
@@ -65,6 +68,9 @@ pub struct Sidecar {
     pub pods: Mutex<Pods>,
     config: RwLock<Arc<PolicyConfig>>,
     pub decisions: Mutex<HashMap<String, Decision>>,
+    /// In-flight decisions per routing prefix and pod (see `policy::pick`); an entry
+    /// lives only while some decision routed by that prefix is outstanding.
+    pub prefix_load: Mutex<HashMap<u64, HashMap<Arc<str>, u32>>>,
     /// Pods removed by an operator or by their own shutdown event, with the epoch they had:
     /// their events are refused until a new epoch (engine restart) or a new registration,
     /// so a deleted pod does not come back with its next load report.
@@ -109,6 +115,7 @@ impl Sidecar {
             pods: Mutex::new(Pods::new()),
             config: RwLock::new(Arc::new(cfg)),
             decisions: Mutex::new(HashMap::new()),
+            prefix_load: Mutex::new(HashMap::new()),
             tombstones: Mutex::new(HashMap::new()),
             metrics,
             cleanup_tx,
@@ -223,6 +230,10 @@ impl Sidecar {
         }
         self.drop_from_index(&pod.reg.model, id);
         self.decisions.lock().retain(|_, d| &*d.pod != id);
+        self.prefix_load.lock().retain(|_, per_pod| {
+            per_pod.remove(id);
+            !per_pod.is_empty()
+        });
         self.metrics.pods_removed.inc(reason, 1);
         true
     }

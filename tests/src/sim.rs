@@ -153,6 +153,9 @@ struct Sim<'a> {
     rng: Rng,
     rr: usize,
     sessions: HashMap<u64, usize>,
+    /// In-flight requests per (routing prefix, pod), and each request's routing prefix.
+    prefix_load: HashMap<u64, Vec<u32>>,
+    prefix_of: Vec<Option<u64>>,
     // Per request: (arrival, pod, hit blocks, prefill end, prefill tokens projected).
     arrive: Vec<f64>,
     pod_of: Vec<usize>,
@@ -265,6 +268,9 @@ impl Sim<'_> {
                     }
                     _ => {
                         let bs = self.o.block_tokens.max(1);
+                        let deepest = (0..n).map(depth).max().unwrap_or(0) as usize;
+                        let pkey = deepest.checked_sub(1).and_then(|d| r.chain.get(d)).copied();
+                        let pl = pkey.and_then(|p| self.prefix_load.get(&p)).cloned();
                         let cands: Vec<Candidate> = (0..n)
                             .map(|k| Candidate {
                                 id: k,
@@ -273,9 +279,13 @@ impl Sim<'_> {
                                 predicted: 0,
                                 tiers: None,
                                 stale: false,
-                                load: self.view(k, now),
+                                load: LoadView {
+                                    prefix_inflight: pl.as_ref().map_or(0, |v| v[k]),
+                                    ..self.view(k, now)
+                                },
                             })
                             .collect();
+                        self.prefix_of[i] = pkey;
                         let ask = Ask {
                             prompt_blocks: (r.chain.len() as u32).max(r.input_tokens.div_ceil(bs)),
                             block_size: bs,
@@ -337,6 +347,10 @@ impl Sim<'_> {
                     self.arrive[i] = now;
                     let k = self.route(p, i, now);
                     self.pod_of[i] = k;
+                    if let Some(pk) = self.prefix_of[i] {
+                        let n = self.pods.len();
+                        self.prefix_load.entry(pk).or_insert_with(|| vec![0; n])[k] += 1;
+                    }
                     let r = &self.reqs[i];
                     let bs = self.o.block_tokens as u64;
                     // The router's view of the hit, for its projection (as the sidecar).
@@ -369,6 +383,11 @@ impl Sim<'_> {
                 }
                 Ev::DecodeDone(k, i) => {
                     self.done[i] = now;
+                    if let Some(pk) = self.prefix_of[i] {
+                        if let Some(v) = self.prefix_load.get_mut(&pk) {
+                            v[k] = v[k].saturating_sub(1);
+                        }
+                    }
                     let r = &self.reqs[i];
                     let pod = &mut self.pods[k];
                     pod.running -= 1;
@@ -431,6 +450,8 @@ pub fn simulate(reqs: &[Request], o: &SimOpts, p: Policy) -> SimResult {
         rng: Rng(o.seed),
         rr: 0,
         sessions: HashMap::new(),
+        prefix_load: HashMap::new(),
+        prefix_of: vec![None; n],
         arrive: vec![0.0; n],
         pod_of: vec![0; n],
         hit: vec![0; n],
