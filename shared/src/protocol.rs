@@ -623,6 +623,14 @@ pub struct LoadDelta {
     pub prefill_tokens: u64,
     #[serde(default)]
     pub blocks: u64,
+    /// The cached prefix the decision was routed by (its last block's hash), so every
+    /// replica bounds a hot prefix's load across all gateways.
+    #[serde(
+        default,
+        deserialize_with = "opt_u64",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub prefix: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

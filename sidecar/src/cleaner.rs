@@ -88,10 +88,13 @@ pub fn sweep(sc: &Sidecar, now: Instant) {
             .map(|(k, _)| k.clone())
             .collect();
         for k in stale {
-            if let Some((_, tokens, _)) = p.remote.remove(&k) {
+            if let Some((_, tokens, _, prefix)) = p.remote.remove(&k) {
                 p.projected
                     .horizon
                     .release(crate::pods::clock(now), tokens, tps);
+                if let Some(k) = prefix {
+                    sc.prefix_release(k, &p.id);
+                }
             }
         }
     }

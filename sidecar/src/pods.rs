@@ -54,8 +54,9 @@ pub struct Pod {
     pub events_seen: bool,
     pub last_seen: Instant,
     pub projected: Projected,
-    /// Decisions of other sidecar replicas on this pod: id → (received, prefill tokens, blocks).
-    pub remote: std::collections::HashMap<String, (Instant, u64, u64)>,
+    /// Decisions of other sidecar replicas on this pod: id → (received, prefill tokens,
+    /// blocks, routing prefix).
+    pub remote: std::collections::HashMap<String, (Instant, u64, u64, Option<u64>)>,
     pub engine: Option<EngineLoad>,
     pub failures: u32,
     pub breaker_until: Option<Instant>,

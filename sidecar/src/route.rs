@@ -299,12 +299,7 @@ fn route_inner(sc: &Sidecar, req: &RouteRequest) -> Result<RouteResponse, RouteE
             prefix: prefix_key,
         };
         if let Some(k) = prefix_key {
-            *sc.prefix_load
-                .lock()
-                .entry(k)
-                .or_default()
-                .entry(winner.clone())
-                .or_insert(0) += 1;
+            sc.prefix_add(k, &winner);
         }
         sc.broadcast(&d, LoadOp::Add);
         sc.decisions.lock().insert(id.clone(), d);
@@ -377,18 +372,7 @@ pub fn release(sc: &Sidecar, d: &Decision, how: &str) {
     }
     drop(pods);
     if let (Some(k), true) = (d.prefix, d.inflight) {
-        let mut pl = sc.prefix_load.lock();
-        if let Some(per_pod) = pl.get_mut(&k) {
-            if let Some(n) = per_pod.get_mut(&d.pod) {
-                *n = n.saturating_sub(1);
-                if *n == 0 {
-                    per_pod.remove(&d.pod);
-                }
-            }
-            if per_pod.is_empty() {
-                pl.remove(&k);
-            }
-        }
+        sc.prefix_release(k, &d.pod);
     }
     sc.broadcast(d, LoadOp::Release);
     sc.metrics.load_released.inc(how, 1);
@@ -507,5 +491,30 @@ mod tests {
             sc.prefix_load.lock().is_empty(),
             "reports release every count"
         );
+        // Another replica's decisions count too, and go with their release.
+        let delta = |op, id: &str| kvroute_shared::protocol::LoadDelta {
+            replica: "other".into(),
+            id: id.into(),
+            pod: "10.0.0.1:8000".into(),
+            model: "m".into(),
+            op,
+            prefill_tokens: 64,
+            blocks: 9,
+            prefix: Some(8),
+        };
+        let n = |sc: &Sidecar| {
+            sc.prefix_load
+                .lock()
+                .get(&8)
+                .and_then(|m| m.get("10.0.0.1:8000").copied())
+        };
+        sc.apply_remote(&delta(LoadOp::Add, "x1"));
+        sc.apply_remote(&delta(LoadOp::Add, "x2"));
+        assert_eq!(n(&sc), Some(2));
+        sc.apply_remote(&delta(LoadOp::Release, "x1"));
+        sc.apply_remote(&delta(LoadOp::Release, "x1"));
+        assert_eq!(n(&sc), Some(1), "a duplicate release changes nothing");
+        sc.apply_remote(&delta(LoadOp::Release, "x2"));
+        assert!(sc.prefix_load.lock().is_empty());
     }
 }

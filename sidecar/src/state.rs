@@ -260,7 +260,35 @@ impl Sidecar {
                 op,
                 prefill_tokens: d.prefill_tokens,
                 blocks: d.blocks,
+                prefix: d.prefix.filter(|_| d.inflight),
             });
+        }
+    }
+
+    /// Count one more in-flight request routed by prefix `k` on `pod`.
+    pub fn prefix_add(&self, k: u64, pod: &Arc<str>) {
+        *self
+            .prefix_load
+            .lock()
+            .entry(k)
+            .or_default()
+            .entry(pod.clone())
+            .or_insert(0) += 1;
+    }
+
+    /// Undo [`Sidecar::prefix_add`]; entries go when their count reaches zero.
+    pub fn prefix_release(&self, k: u64, pod: &str) {
+        let mut pl = self.prefix_load.lock();
+        if let Some(per_pod) = pl.get_mut(&k) {
+            if let Some(n) = per_pod.get_mut(pod) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    per_pod.remove(pod);
+                }
+            }
+            if per_pod.is_empty() {
+                pl.remove(&k);
+            }
         }
     }
 
@@ -281,13 +309,20 @@ impl Sidecar {
                 p.projected
                     .horizon
                     .add(crate::pods::clock(now), l.prefill_tokens, tps);
-                p.remote.insert(key, (now, l.prefill_tokens, l.blocks));
+                if let Some(k) = l.prefix {
+                    self.prefix_add(k, &p.id);
+                }
+                p.remote
+                    .insert(key, (now, l.prefill_tokens, l.blocks, l.prefix));
             }
             kvroute_shared::protocol::LoadOp::Release => {
-                if let Some((_, tokens, _)) = p.remote.remove(&key) {
+                if let Some((_, tokens, _, prefix)) = p.remote.remove(&key) {
                     p.projected
                         .horizon
                         .release(crate::pods::clock(now), tokens, tps);
+                    if let Some(k) = prefix {
+                        self.prefix_release(k, &p.id);
+                    }
                 }
             }
         }
