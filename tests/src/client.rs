@@ -158,17 +158,22 @@ pub fn removed(blocks: &[u64]) -> Event {
     }
 }
 
-/// A token chain of `n` blocks, distinct per `seed`.
-pub fn chain(model: &str, seed: u32, n: usize, block_size: u32) -> Vec<u64> {
-    let ns = kvroute_shared::Namespace {
+/// The chain engines and the filter compute for `tokens` (no adapter, no salt).
+pub fn token_chain(model: &str, block_size: u32, tokens: &[u32]) -> Vec<u64> {
+    kvroute_shared::Namespace {
         mode: Mode::Tokens,
         block_size,
         model,
         adapter: "",
         cache_salt: "",
-    };
+    }
+    .chain_tokens(tokens)
+}
+
+/// A token chain of `n` blocks, distinct per `seed`.
+pub fn chain(model: &str, seed: u32, n: usize, block_size: u32) -> Vec<u64> {
     let toks: Vec<u32> = (0..n as u32 * block_size)
         .map(|t| t.wrapping_add(seed.wrapping_mul(1_000_003)))
         .collect();
-    ns.chain_tokens(&toks)
+    token_chain(model, block_size, &toks)
 }

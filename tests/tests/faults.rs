@@ -178,15 +178,7 @@ async fn engine_restart_and_silent_death() {
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_string();
-    let ns = kvroute_shared::Namespace {
-        mode: kvroute_shared::Mode::Tokens,
-        block_size: 16,
-        model: "m",
-        adapter: "",
-        cache_salt: "",
-    };
-    let q = ns
-        .chain_tokens(&prompt)
+    let q = kvroute_tests::client::token_chain("m", 16, &prompt)
         .iter()
         .map(|h| h.to_string())
         .collect::<Vec<_>>()

@@ -365,14 +365,7 @@ async fn real_sidecar_over_uds_steers_by_cache_and_gets_reports() {
         .expect("envoy");
     // Pod b's engine says it holds the first 3 blocks of this prompt.
     let tokens: Vec<u32> = (0..64).collect();
-    let ns = kvroute_shared::Namespace {
-        mode: kvroute_shared::Mode::Tokens,
-        block_size: 16,
-        model: "m",
-        adapter: "",
-        cache_salt: "",
-    };
-    let chain = ns.chain_tokens(&tokens);
+    let chain = kvroute_tests::client::token_chain("m", 16, &tokens);
     let b = pods[1].addr.to_string();
     api.events(&batch(&b, "m", "e", 0, vec![stored(&chain[..3])]))
         .await;

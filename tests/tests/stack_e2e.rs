@@ -88,14 +88,7 @@ async fn event_driven_routing_follows_engine_caches_and_restarts() {
     .await;
     assert_eq!(cached, 0);
     // The engine's `stored` events reach the index over NATS.
-    let ns = kvroute_shared::Namespace {
-        mode: kvroute_shared::Mode::Tokens,
-        block_size: 16,
-        model: "m",
-        adapter: "",
-        cache_salt: "",
-    };
-    let chain = ns.chain_tokens(&prompt);
+    let chain = kvroute_tests::client::token_chain("m", 16, &prompt);
     let q = chain
         .iter()
         .map(|h| h.to_string())
