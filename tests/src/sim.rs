@@ -487,23 +487,34 @@ pub fn simulate(reqs: &[Request], o: &SimOpts, p: Policy) -> SimResult {
     }
 }
 
-/// Hit rate with one infinite cache shared by all pods (the ceiling of any router).
-pub fn infinite_cache_hit_rate(reqs: &[Request]) -> f64 {
+/// What no router can beat: one infinite cache shared by all pods and no queueing. Its
+/// hit rate is the ceiling; its TTFT (each request prefills only what that cache lacks)
+/// is the floor. On the generated workloads the floor's p99 is the cold prefill of each
+/// new group or conversation, which every policy pays.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Bound {
+    pub hit_rate: f64,
+    pub ttft_mean_ms: f64,
+    pub ttft_p99_ms: f64,
+}
+
+pub fn infinite_cache_bound(reqs: &[Request], o: &SimOpts) -> Bound {
     let mut seen = HashSet::new();
     let (mut hits, mut total) = (0u64, 0u64);
+    let mut ttft = Samples(Vec::with_capacity(reqs.len()));
     for r in reqs {
-        let mut prefix = true;
-        for b in &r.chain {
-            total += 1;
-            if prefix && seen.contains(b) {
-                hits += 1;
-            } else {
-                prefix = false;
-            }
-        }
+        let hit = r.chain.iter().take_while(|b| seen.contains(*b)).count() as u64;
+        hits += hit;
+        total += r.chain.len() as u64;
+        let cached = (hit * o.block_tokens as u64).min(r.input_tokens as u64);
+        ttft.push((o.cost.prefill_s(r.input_tokens as u64 - cached) * 1e6) as u64);
         seen.extend(r.chain.iter().copied());
     }
-    hits as f64 / total.max(1) as f64
+    Bound {
+        hit_rate: hits as f64 / total.max(1) as f64,
+        ttft_mean_ms: ttft.mean() / 1e3,
+        ttft_p99_ms: ttft.pct(99.0) as f64 / 1e3,
+    }
 }
 
 /// Generated workloads (REFERENCE §7), in blocks of `block_tokens` tokens.
@@ -613,12 +624,15 @@ pub fn default_rate(name: &str) -> f64 {
 /// Run `policies` on `reqs`; print the table; return the results.
 pub fn compare(label: &str, reqs: &[Request], o: &SimOpts, policies: &[Policy]) -> Vec<SimResult> {
     let results: Vec<SimResult> = policies.iter().map(|&p| simulate(reqs, o, p)).collect();
+    let bound = infinite_cache_bound(reqs, o);
     println!(
-        "{label}: {} requests, {} pods x {} blocks, infinite-cache hit-rate ceiling {:.3}",
+        "{label}: {} requests, {} pods x {} blocks, infinite-cache hit-rate ceiling {:.3}, TTFT floor (that cache, no queueing) mean {:.1} ms, p99 {:.0} ms",
         reqs.len(),
         o.pods,
         o.capacity_blocks,
-        infinite_cache_hit_rate(reqs)
+        bound.hit_rate,
+        bound.ttft_mean_ms,
+        bound.ttft_p99_ms
     );
     println!(
         "  {:<16} {:>8} {:>11} {:>10} {:>10} {:>11} {:>10} {:>9} {:>9}",
