@@ -172,7 +172,7 @@ enum State {
         sent: Option<SystemTime>,
         model: String,
         request_id: String,
-        prepare_us: u64,
+        timings: Timings,
     },
     /// The request went on (steered or not); watch the response for `usage`.
     Forwarded {
@@ -182,11 +182,20 @@ enum State {
         status: u16,
         tail: Tail,
         start: Option<SystemTime>,
-        /// Time spent parsing and chaining the body (debug header, metric).
-        prepare_us: u64,
-        /// Callout round trip as the filter saw it (debug header; 0 without a callout).
-        callout_us: u64,
+        timings: Timings,
     },
+}
+
+/// Where the filter's time went for one request (debug headers; `prepare_us` is also a
+/// metric).
+#[derive(Clone, Copy, Debug, Default)]
+struct Timings {
+    /// Parsing the body (the bulk of it for long token-id prompts).
+    parse_us: u64,
+    /// Parsing, chaining and encoding the route body, in all.
+    prepare_us: u64,
+    /// Callout round trip as the filter saw it (0 without a callout).
+    callout_us: u64,
 }
 
 struct Http {
@@ -222,8 +231,7 @@ impl Http {
         model: String,
         request_id: String,
         steered: Option<logic::Steer>,
-        prepare_us: u64,
-        callout_us: u64,
+        timings: Timings,
     ) {
         let start = now();
         let tail = Tail::new(sh.cfg.usage_window_bytes);
@@ -234,8 +242,7 @@ impl Http {
             status: 0,
             tail,
             start,
-            prepare_us,
-            callout_us,
+            timings,
         };
     }
 }
@@ -256,7 +263,7 @@ impl Context for Http {
             sent,
             model,
             request_id,
-            prepare_us,
+            mut timings,
         } = std::mem::replace(&mut self.state, State::PassThrough)
         else {
             return;
@@ -264,9 +271,9 @@ impl Context for Http {
         if token != token_id {
             return;
         }
-        let callout_us = micros_since(sent);
+        timings.callout_us = micros_since(sent);
         if let Some(id) = sh.metrics.callout_us {
-            let _ = hostcalls::record_metric(id, callout_us);
+            let _ = hostcalls::record_metric(id, timings.callout_us);
         }
         let status = header(MapType::HttpCallResponseHeaders, ":status");
         let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
@@ -300,7 +307,7 @@ impl Context for Http {
                 None
             }
         };
-        self.forward(&sh, model, request_id, steered, prepare_us, callout_us);
+        self.forward(&sh, model, request_id, steered, timings);
         let _ = hostcalls::resume_http_request();
     }
 }
@@ -366,13 +373,12 @@ impl HttpContext for Http {
             .unwrap_or_default();
         let rid = request_id.clone().unwrap_or_default();
         let t0 = now();
-        let prepared = match logic::prepare(
-            &sh.cfg,
-            path,
-            &body,
-            request_id.as_deref(),
-            session.as_deref(),
-        ) {
+        let mut timings = Timings::default();
+        let prepared = logic::parse(&sh.cfg, path, &body).and_then(|req| {
+            timings.parse_us = micros_since(t0);
+            logic::route_request(&sh.cfg, req, request_id.as_deref(), session.as_deref())
+        });
+        let prepared = match prepared {
             Ok(p) => p,
             Err(reason) => {
                 sh.metrics.skip(reason);
@@ -381,9 +387,9 @@ impl HttpContext for Http {
             }
         };
         drop(body);
-        let prepare_us = micros_since(t0);
+        timings.prepare_us = micros_since(t0);
         if let Some(id) = sh.metrics.prepare_us {
-            let _ = hostcalls::record_metric(id, prepare_us);
+            let _ = hostcalls::record_metric(id, timings.prepare_us);
         }
         let content_type = if prepared.binary {
             kvroute_shared::protocol::ROUTE_BINARY_CONTENT_TYPE
@@ -410,13 +416,13 @@ impl HttpContext for Http {
                     sent: now(),
                     model: prepared.model,
                     request_id: rid,
-                    prepare_us,
+                    timings,
                 };
                 Action::Pause
             }
             Err(_) => {
                 sh.metrics.skip(Skip::DispatchFailed);
-                self.forward(&sh, prepared.model, rid, None, prepare_us, 0);
+                self.forward(&sh, prepared.model, rid, None, timings);
                 Action::Continue
             }
         }
@@ -429,8 +435,7 @@ impl HttpContext for Http {
         if let State::Forwarded {
             status,
             steered,
-            prepare_us,
-            callout_us,
+            timings,
             ..
         } = &mut self.state
         {
@@ -438,18 +443,14 @@ impl HttpContext for Http {
                 .and_then(|s| s.parse().ok())
                 .unwrap_or(0);
             if sh.cfg.debug_headers {
-                let p = prepare_us.to_string();
-                let _ = hostcalls::set_map_value(
-                    MapType::HttpResponseHeaders,
-                    "x-kvroute-prepare-us",
-                    Some(&p),
-                );
-                let c = callout_us.to_string();
-                let _ = hostcalls::set_map_value(
-                    MapType::HttpResponseHeaders,
-                    "x-kvroute-callout-us",
-                    Some(&c),
-                );
+                for (name, us) in [
+                    ("x-kvroute-parse-us", timings.parse_us),
+                    ("x-kvroute-prepare-us", timings.prepare_us),
+                    ("x-kvroute-callout-us", timings.callout_us),
+                ] {
+                    let v = us.to_string();
+                    let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(&v));
+                }
                 if let Some(s) = steered {
                     let _ = hostcalls::set_map_value(
                         MapType::HttpResponseHeaders,

@@ -81,15 +81,35 @@ pub fn prepare(
     request_id: Option<&str>,
     session: Option<&str>,
 ) -> Result<Prepared, Skip> {
+    let req = parse(cfg, path, body)?;
+    route_request(cfg, req, request_id, session)
+}
+
+/// The body as a request, or why it is not routed. Split from [`route_request`] only so
+/// the glue can time the two halves (parsing dominates long token-id prompts).
+pub fn parse<'a>(
+    cfg: &FilterConfig,
+    path: &str,
+    body: &'a [u8],
+) -> Result<canon::Request<'a>, Skip> {
     if body.len() > cfg.max_body_bytes {
         return Err(Skip::BodyTooLarge);
     }
     let endpoint = Endpoint::from_path(path).ok_or(Skip::NoPrompt)?;
-    let req = canon::parse(endpoint, body).map_err(|e| match e {
+    canon::parse(endpoint, body).map_err(|e| match e {
         canon::CanonError::Json(_) => Skip::BadJson,
         canon::CanonError::Missing(_) => Skip::NoPrompt,
         canon::CanonError::Empty => Skip::EmptyPrompt,
-    })?;
+    })
+}
+
+/// Chain a parsed request and encode the sidecar's route body.
+pub fn route_request(
+    cfg: &FilterConfig,
+    req: canon::Request<'_>,
+    request_id: Option<&str>,
+    session: Option<&str>,
+) -> Result<Prepared, Skip> {
     let (base, _) = cfg.adapters.resolve(&req.model);
     let settings = cfg.model(base);
     let mode = req.prompt.mode();

@@ -162,16 +162,23 @@ impl ChainHasher {
 
     /// Feed token ids (token mode).
     pub fn push_tokens(&mut self, tokens: &[u32]) {
-        // Encode through a small stack buffer: one copy of 4 bytes per token, never the
-        // whole prompt at once.
-        let mut buf = [0u8; 1024];
-        for chunk in tokens.chunks(buf.len() / 4) {
-            let mut n = 0;
-            for (dst, t) in buf.chunks_exact_mut(4).zip(chunk) {
-                dst.copy_from_slice(&t.to_le_bytes());
-                n += 4;
+        self.chain
+            .reserve((self.pending.len() + tokens.len() * 4) / self.block_bytes);
+        // u32le is the ids' own memory layout on little-endian targets (wasm, x86, arm):
+        // hash it in place. A per-token copy cost ~0.2 ms per 128k tokens in v8.
+        #[cfg(target_endian = "little")]
+        self.update(bytemuck::cast_slice(tokens));
+        #[cfg(not(target_endian = "little"))]
+        {
+            let mut buf = [0u8; 1024];
+            for chunk in tokens.chunks(buf.len() / 4) {
+                let mut n = 0;
+                for (dst, t) in buf.chunks_exact_mut(4).zip(chunk) {
+                    dst.copy_from_slice(&t.to_le_bytes());
+                    n += 4;
+                }
+                self.update(buf.get(..n).unwrap_or_default());
             }
-            self.update(buf.get(..n).unwrap_or_default());
         }
     }
 
