@@ -132,6 +132,14 @@ impl ChainHasher {
         }
     }
 
+    /// Continue a chain whose last full block hashed to `prev` (engine events name a
+    /// parent block and carry only the new blocks' tokens).
+    pub fn resume(ns: &Namespace<'_>, prev: u64) -> Self {
+        let mut h = ChainHasher::new(ns);
+        h.prev = prev;
+        h
+    }
+
     /// Reserve room for a prompt of about `units` tokens or bytes (a hint only).
     pub fn reserve_units(&mut self, bytes: usize) {
         self.chain.reserve(bytes / self.block_bytes);

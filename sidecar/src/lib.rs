@@ -7,8 +7,11 @@
 //! - [`route`]: lookup → policy → decision → load projection; reports release it;
 //! - [`predicted`]: residency guessed from decisions, for engines without events;
 //! - [`state`], [`http`], [`nats`], [`cleaner`], [`serve`]: the service around them;
-//! - [`hashcli`]: the operator's chain printer.
+//! - [`hashcli`]: the operator's chain printer;
+//! - [`vllm`], [`translate`], [`bridge`]: vLLM/SGLang ZMQ KV events → kvroute event
+//!   batches, run next to each engine; [`sink`] is how engine-side publishers send.
 
+pub mod bridge;
 pub mod cleaner;
 pub mod hashcli;
 pub mod http;
@@ -21,4 +24,7 @@ pub mod policy;
 pub mod predicted;
 pub mod route;
 pub mod serve;
+pub mod sink;
 pub mod state;
+pub mod translate;
+pub mod vllm;

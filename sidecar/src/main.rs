@@ -1,4 +1,5 @@
-//! The `kvroute-sidecar` command: `hash` (chain a prompt, for operators) and `serve`.
+//! The `kvroute-sidecar` command: `hash` (chain a prompt, for operators), `serve`, and
+//! `bridge` (next to a vLLM / SGLang engine).
 
 use std::path::PathBuf;
 
@@ -22,6 +23,8 @@ enum Cmd {
     Hash(HashCmd),
     /// Run the sidecar service.
     Serve(kvroute_sidecar::serve::ServeArgs),
+    /// Run next to a vLLM / SGLang engine: its ZMQ KV events → kvroute event batches.
+    Bridge(kvroute_sidecar::bridge::BridgeArgs),
 }
 
 #[derive(Args)]
@@ -57,19 +60,8 @@ struct HashCmd {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().cmd {
-        Cmd::Serve(a) => {
-            tracing_subscriber::fmt()
-                .with_env_filter(
-                    tracing_subscriber::EnvFilter::try_from_env("KVROUTE_LOG")
-                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-                )
-                .with_writer(std::io::stderr)
-                .init();
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()?;
-            rt.block_on(kvroute_sidecar::serve::run(a))
-        }
+        Cmd::Serve(a) => service()?.block_on(kvroute_sidecar::serve::run(a)),
+        Cmd::Bridge(a) => service()?.block_on(kvroute_sidecar::bridge::run(a)),
         Cmd::Hash(h) => {
             let input = match (h.tokens, h.text, h.request) {
                 (Some(t), _, _) => Input::Tokens(t),
@@ -105,6 +97,20 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// Logging and a runtime for the long-running commands.
+fn service() -> anyhow::Result<tokio::runtime::Runtime> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KVROUTE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
 }
 
 fn looks_like_completion(body: &[u8]) -> bool {

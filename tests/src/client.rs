@@ -97,6 +97,36 @@ impl Api {
         serde_json::from_value(r.json).expect("route response")
     }
 
+    /// Blocks of `chain` the best-ranked pod holds (a dry-run route: nothing recorded).
+    pub async fn matched(&self, model: &str, chain: &[u64], block_size: u32) -> u32 {
+        let mut r = route_req(model, chain, block_size);
+        r.dry_run = true;
+        let resp = self.post("/v1/route", &r).await;
+        resp.json["ranked"][0]["matched_blocks"]
+            .as_u64()
+            .unwrap_or(0) as u32
+    }
+
+    /// Wait (up to 5 s) until [`Api::matched`] is `blocks`; panics naming `what`.
+    pub async fn until_matched(
+        &self,
+        model: &str,
+        chain: &[u64],
+        block_size: u32,
+        blocks: u32,
+        what: &str,
+    ) {
+        let mut last = 0;
+        for _ in 0..200 {
+            last = self.matched(model, chain, block_size).await;
+            if last == blocks {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+        }
+        panic!("timed out waiting for: {what} ({last} blocks matched, want {blocks})");
+    }
+
     pub async fn metric(&self, name: &str) -> f64 {
         let resp = self
             .http

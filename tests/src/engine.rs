@@ -33,6 +33,7 @@ use serde_json::{json, Value};
 
 use crate::bench::Rng;
 use crate::cache::BlockCache;
+use kvroute_sidecar::sink::EventSink;
 
 #[derive(Parser, Debug, Clone)]
 #[command(
@@ -260,15 +261,14 @@ pub async fn run(args: EngineArgs) -> anyhow::Result<()> {
 
 /// Publishes batches with the fault knobs applied (drop, duplicate, delay).
 async fn event_sender(eng: Arc<Engine>, mut rx: tokio::sync::mpsc::UnboundedReceiver<EventBatch>) {
-    let nats = match &eng.args.nats {
-        Some(url) => async_nats::ConnectOptions::new()
-            .retry_on_initial_connect()
-            .connect(url.as_str())
-            .await
-            .ok(),
-        None => None,
+    let sidecars = eng.args.sidecar.iter().cloned().collect();
+    let sink = match EventSink::connect(eng.args.nats.as_deref(), sidecars).await {
+        Ok(s) => Arc::new(s),
+        Err(e) => {
+            eprintln!("kvroute-engine-sim: event sink: {e}");
+            return;
+        }
     };
-    let http = reqwest::Client::new();
     while let Some(b) = rx.recv().await {
         let (drop, dup, delay) = {
             let mut r = eng.rng.lock();
@@ -283,25 +283,10 @@ async fn event_sender(eng: Arc<Engine>, mut rx: tokio::sync::mpsc::UnboundedRece
         }
         let copies = if dup { 2 } else { 1 };
         let send = {
-            let (eng, nats, http) = (eng.clone(), nats.clone(), http.clone());
+            let sink = sink.clone();
             async move {
-                let bytes = b.encode();
                 for _ in 0..copies {
-                    if let Some(nc) = &nats {
-                        let subject = format!(
-                            "kvroute.events.{}.{}",
-                            eng.args.model,
-                            eng.pod.replace(['.', ':'], "_")
-                        );
-                        let _ = nc.publish(subject, bytes.clone().into()).await;
-                    }
-                    if let Some(url) = &eng.args.sidecar {
-                        let _ = http
-                            .post(format!("{url}/v1/events"))
-                            .body(bytes.clone())
-                            .send()
-                            .await;
-                    }
+                    sink.send(&b).await;
                 }
             }
         };

@@ -11,24 +11,10 @@ use kvroute_tests::services::{Nats, SidecarProc};
 const M: &str = "m";
 
 async fn publish(nc: &async_nats::Client, b: &EventBatch) {
-    let subject = format!(
-        "kvroute.events.{}.{}",
-        b.model,
-        b.pod.replace(['.', ':'], "_")
-    );
-    nc.publish(subject, b.encode().into())
+    nc.publish(b.subject(), b.encode().into())
         .await
         .expect("publish");
     nc.flush().await.expect("flush");
-}
-
-async fn matched(api: &Api, c: &[u64]) -> u32 {
-    let mut r = kvroute_tests::client::route_req(M, c, 16);
-    r.dry_run = true;
-    let resp = api.post("/v1/route", &r).await;
-    resp.json["ranked"][0]["matched_blocks"]
-        .as_u64()
-        .unwrap_or(0) as u32
 }
 
 async fn until_connected(api: &Api) {
@@ -39,18 +25,6 @@ async fn until_connected(api: &Api) {
             Box::pin(async move { a.metric("kvroute_nats_connected").await == 1.0 })
         },
         "nats connected",
-    )
-    .await;
-}
-
-async fn until_matched(api: &Api, chain: &[u64], blocks: u32, what: &str) {
-    let (api, chain) = (api.clone(), chain.to_vec());
-    eventually(
-        move || {
-            let (a, c) = (api.clone(), chain.clone());
-            Box::pin(async move { matched(&a, &c).await == blocks })
-        },
-        what,
     )
     .await;
 }
@@ -89,7 +63,7 @@ async fn events_over_nats_drive_the_index() {
     // Core NATS has no replay: wait for the subscription before the first publish.
     tokio::time::sleep(Duration::from_millis(200)).await;
     publish(&nc, &batch(pod, M, "e1", 0, vec![stored(&c[..12])])).await;
-    until_matched(&api, &c, 12, "12 blocks indexed").await;
+    api.until_matched(M, &c, 16, 12, "12 blocks indexed").await;
     // Duplicate: no-op.
     publish(
         &nc,
@@ -97,14 +71,16 @@ async fn events_over_nats_drive_the_index() {
     )
     .await;
     publish(&nc, &batch(pod, M, "e1", 1, vec![stored(&c[12..14])])).await;
-    until_matched(&api, &c, 14, "duplicate ignored, next applied").await;
+    api.until_matched(M, &c, 16, 14, "duplicate ignored, next applied")
+        .await;
     // Malformed messages are counted and do not stall the subscription.
     nc.publish("kvroute.events.m.x", "{garbage".into())
         .await
         .expect("publish");
     // Restart: a new epoch drops the old blocks at once.
     publish(&nc, &batch(pod, M, "e2", 0, vec![stored(&c[..1])])).await;
-    until_matched(&api, &c, 1, "restart dropped old blocks").await;
+    api.until_matched(M, &c, 16, 1, "restart dropped old blocks")
+        .await;
     assert!(
         api.metric("kvroute_event_batches_rejected_total{reason=\"bad_json\"}")
             .await
@@ -151,7 +127,7 @@ async fn a_gap_marks_stale_and_resyncs_from_the_dump() {
     .await;
     // Batches 1..8 are lost; 9 arrives: gap → stale → dump fetched → full state, stale cleared.
     publish(&nc, &batch("127.0.0.1:8001", M, "e1", 9, vec![])).await;
-    until_matched(&api, &c, 16, "resynced from dump").await;
+    api.until_matched(M, &c, 16, 16, "resynced from dump").await;
     let p = api.get("/v1/pods/127.0.0.1:8001").await;
     assert_eq!(p.json["stale"], false, "{}", p.json);
     assert_eq!(api.metric("kvroute_resyncs_total{how=\"dump\"}").await, 1.0);
@@ -173,14 +149,15 @@ async fn nats_down_degrades_then_recovers() {
             .status,
         200
     );
-    assert_eq!(matched(&api, &c).await, 4);
+    assert_eq!(api.matched(M, &c, 16).await, 4);
     nats.restart().expect("nats back");
     until_ready(&api, 200, "reconnected").await;
     let nc = async_nats::connect(nats.url()).await.expect("client");
     tokio::time::sleep(Duration::from_millis(300)).await;
     let c2 = chain(M, 4, 6, 16);
     publish(&nc, &batch("127.0.0.1:8002", M, "e", 0, vec![stored(&c2)])).await;
-    until_matched(&api, &c2, 6, "ingesting after reconnect").await;
+    api.until_matched(M, &c2, 16, 6, "ingesting after reconnect")
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,0 +1,263 @@
+//! The vLLM / SGLang bridge end to end: a ZMQ publisher speaking vLLM's wire format (both
+//! the positional and the map encodings, integer and byte hashes), the real
+//! `kvroute-sidecar bridge` process, and a real sidecar. What the engine says it cached
+//! must show up under the chain hashes the filter computes for the same tokens; a bad
+//! payload is counted and skipped; an engine restart drops the pod's blocks; the
+//! bridge's dump is the engine's cache.
+
+use std::process::Command;
+use std::time::Duration;
+
+use kvroute_tests::client::{token_chain, Api};
+use kvroute_tests::procs::{free_port, wait_until, workspace_bin, Child};
+use kvroute_tests::services::SidecarProc;
+use rmpv::Value;
+use zeromq::{Socket, SocketSend, ZmqMessage};
+
+const M: &str = "m";
+const BS: u32 = 16;
+const POD: &str = "127.0.0.1:8001";
+
+fn msgpack(v: &Value) -> Vec<u8> {
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, v).expect("encode");
+    out
+}
+
+fn ints<T: Copy + Into<Value>>(x: &[T]) -> Value {
+    Value::Array(x.iter().map(|&i| i.into()).collect())
+}
+
+/// vLLM before mid-2026: `array_like` structs, events tagged by a leading name.
+fn stored_positional(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> Value {
+    Value::Array(vec![
+        "BlockStored".into(),
+        ints(hashes),
+        parent.map_or(Value::Nil, Value::from),
+        ints(tokens),
+        BS.into(),
+        Value::Nil,
+        "GPU".into(),
+    ])
+}
+
+/// vLLM since mid-2026: maps tagged by `type`, SHA-256 hashes as bytes.
+fn sha(i: u8) -> Value {
+    Value::Binary(vec![i; 32])
+}
+
+fn batch_positional(events: Vec<Value>) -> Vec<u8> {
+    msgpack(&Value::Array(vec![1.0.into(), Value::Array(events)]))
+}
+
+fn batch_map(events: Vec<Value>) -> Vec<u8> {
+    msgpack(&Value::Map(vec![
+        ("ts".into(), 2.0.into()),
+        ("events".into(), Value::Array(events)),
+        ("data_parallel_rank".into(), 0.into()),
+    ]))
+}
+
+struct Engine {
+    sock: zeromq::PubSocket,
+}
+
+impl Engine {
+    async fn bind() -> (Engine, u16) {
+        let mut sock = zeromq::PubSocket::new();
+        let ep = sock.bind("tcp://127.0.0.1:0").await.expect("bind");
+        let port = match ep {
+            zeromq::Endpoint::Tcp(_, port) => port,
+            other => panic!("unexpected endpoint {other}"),
+        };
+        (Engine { sock }, port)
+    }
+
+    async fn send(&mut self, seq: u64, payload: Vec<u8>) {
+        let mut m = ZmqMessage::from(Vec::<u8>::new());
+        m.push_back(seq.to_be_bytes().to_vec().into());
+        m.push_back(payload.into());
+        self.sock.send(m).await.expect("publish");
+    }
+}
+
+struct Bridge {
+    child: Child,
+    listen: String,
+    log: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Bridge {
+    fn start(zmq_port: u16, sidecar: &str) -> Bridge {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log = dir.path().join("bridge.log");
+        let listen = format!("127.0.0.1:{}", free_port());
+        let mut cmd = Command::new(workspace_bin("kvroute-sidecar"));
+        cmd.args(["bridge", "--zmq"])
+            .arg(format!("tcp://127.0.0.1:{zmq_port}"))
+            .args(["--pod", POD, "--model", M, "--block-size", "16"])
+            .args(["--sidecar", sidecar, "--listen", &listen]);
+        let child = Child::spawn("kvroute-bridge", &mut cmd, Some(&log)).expect("bridge");
+        let b = Bridge {
+            child,
+            listen,
+            log,
+            _dir: dir,
+        };
+        wait_until(Duration::from_secs(10), || {
+            std::fs::read_to_string(&b.log)
+                .ok()
+                .filter(|l| l.contains("subscribed to engine KV events"))
+        })
+        .unwrap_or_else(|| panic!("bridge did not subscribe: {}", b.log_text()));
+        b
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    async fn get(&self, path: &str) -> String {
+        reqwest::get(format!("http://{}{path}", self.listen))
+            .await
+            .expect("bridge http")
+            .text()
+            .await
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Bridge {
+    fn drop(&mut self) {
+        self.child.kill();
+    }
+}
+
+/// PUB/SUB drops what is sent before the subscription is live: send until it shows.
+async fn send_until(
+    engine: &mut Engine,
+    api: &Api,
+    seq: u64,
+    payload: Vec<u8>,
+    chain: &[u64],
+    want: u32,
+) {
+    for _ in 0..100 {
+        engine.send(seq, payload.clone()).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if api.matched(M, chain, BS).await == want {
+            return;
+        }
+    }
+    panic!("engine batch {seq} never showed up ({want} blocks)");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_events_reach_the_index_under_the_filters_hashes() {
+    let sc = SidecarProc::start(&[], false).expect("sidecar");
+    let api = Api::new(sc.addr);
+    let (mut engine, port) = Engine::bind().await;
+    let bridge = Bridge::start(port, &format!("http://{}", sc.addr));
+
+    let tokens: Vec<u32> = (0..6 * BS).map(|i| 1000 + i * 7).collect();
+    let chain = token_chain(M, BS, &tokens);
+    let b = BS as usize;
+
+    // Old format: two events, the second continuing from the first's last block.
+    let first = batch_positional(vec![
+        stored_positional(&[101, 102], None, &tokens[..2 * b]),
+        stored_positional(&[103], Some(102), &tokens[2 * b..3 * b]),
+    ]);
+    send_until(&mut engine, &api, 0, first, &chain, 3).await;
+
+    // New format: byte hashes, a parent from the old format's numbering.
+    let ev = Value::Map(vec![
+        ("type".into(), "BlockStored".into()),
+        (
+            "block_hashes".into(),
+            Value::Array(vec![sha(4), sha(5), sha(6)]),
+        ),
+        ("parent_block_hash".into(), 103u64.into()),
+        ("token_ids".into(), ints(&tokens[3 * b..])),
+        ("block_size".into(), BS.into()),
+        ("medium".into(), "GPU".into()),
+        ("lora_name".into(), Value::Nil),
+    ]);
+    engine.send(1, batch_map(vec![ev])).await;
+    api.until_matched(M, &chain, BS, 6, "the map-form batch")
+        .await;
+
+    // Eviction of the last two blocks, by engine hash.
+    let removed = Value::Map(vec![
+        ("type".into(), "BlockRemoved".into()),
+        ("block_hashes".into(), Value::Array(vec![sha(5), sha(6)])),
+        ("medium".into(), "GPU".into()),
+    ]);
+    engine.send(2, batch_map(vec![removed])).await;
+    api.until_matched(M, &chain, BS, 4, "the removal").await;
+
+    // The dump is what the engine still holds, under kvroute's names.
+    let dump: kvroute_shared::protocol::EventBatch =
+        serde_json::from_str(&bridge.get("/dump").await).expect("dump json");
+    let mut held: Vec<u64> = dump
+        .events
+        .iter()
+        .flat_map(|e| match e {
+            kvroute_shared::protocol::Event::Stored { blocks, .. } => blocks.clone(),
+            _ => vec![],
+        })
+        .collect();
+    held.sort_unstable();
+    let mut want = chain[..4].to_vec();
+    want.sort_unstable();
+    assert_eq!(held, want);
+
+    // A payload that is not an event batch is counted and skipped. What it held is
+    // lost (removals, maybe), so the next batch finds a gap: a new epoch, in which the
+    // sidecar drops what it knew of the pod rather than keep stale blocks.
+    engine.send(3, b"\xc1garbage".to_vec()).await;
+    let one: Vec<u32> = (0..BS).map(|i| 5 + i).collect();
+    let one_chain = token_chain(M, BS, &one);
+    engine
+        .send(
+            4,
+            batch_positional(vec![stored_positional(&[1], None, &one)]),
+        )
+        .await;
+    api.until_matched(M, &one_chain, BS, 1, "the batch after the gap")
+        .await;
+    assert_eq!(
+        api.matched(M, &chain, BS).await,
+        0,
+        "pre-gap blocks dropped"
+    );
+    let metrics = bridge.get("/metrics").await;
+    for want in [
+        "kvroute_bridge_bad_payloads_total 1",
+        "kvroute_bridge_gaps_total 1",
+    ] {
+        assert!(metrics.contains(want), "{want} in {metrics}");
+    }
+
+    // The engine restarts (its sequence starts over): the pod's blocks go at once.
+    let two: Vec<u32> = (0..BS).map(|i| 9 + i).collect();
+    let two_chain = token_chain(M, BS, &two);
+    engine
+        .send(
+            0,
+            batch_positional(vec![stored_positional(&[2], None, &two)]),
+        )
+        .await;
+    api.until_matched(M, &two_chain, BS, 1, "the restarted engine's block")
+        .await;
+    assert_eq!(
+        api.matched(M, &one_chain, BS).await,
+        0,
+        "old blocks dropped"
+    );
+    assert!(bridge
+        .get("/metrics")
+        .await
+        .contains("kvroute_bridge_restarts_total 1"));
+}
