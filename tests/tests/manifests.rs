@@ -97,3 +97,53 @@ fn envoy_gateway_manifests() {
     assert!(!all(&ds, "endpointOverride").is_empty());
     filter_config_ok(&ds);
 }
+
+/// The vLLM engine with the bridge beside it: the engine publishes where the bridge
+/// listens, with the same block size, and the bridge's arguments are ones it accepts.
+#[test]
+fn vllm_bridge_manifest() {
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: kvroute_sidecar::bridge::BridgeArgs,
+    }
+    let ds = docs("docs/examples/vllm-bridge.yaml");
+    let containers = all(&ds, "containers");
+    let list = containers[0].as_sequence().expect("containers");
+    let args = |name: &str| -> Vec<String> {
+        list.iter()
+            .find(|c| c["name"].as_str() == Some(name))
+            .and_then(|c| c["args"].as_sequence())
+            .expect(name)
+            .iter()
+            .filter_map(|a| a.as_str().map(str::to_owned))
+            .collect()
+    };
+    let engine = args("vllm");
+    let events = engine
+        .iter()
+        .position(|a| a == "--kv-events-config")
+        .and_then(|i| engine.get(i + 1))
+        .expect("--kv-events-config");
+    let events: serde_json::Value = serde_json::from_str(events).expect("events config JSON");
+    assert_eq!(events["enable_kv_cache_events"], true);
+    assert_eq!(events["publisher"], "zmq");
+    let port = |ep: &str| ep.rsplit(':').next().map(str::to_owned);
+    let bridge = args("kvroute-bridge");
+    assert_eq!(bridge[0], "bridge");
+    let bridge: Vec<String> = std::iter::once("bridge".to_string())
+        .chain(
+            bridge[1..]
+                .iter()
+                .map(|a| a.replace("$(POD_IP)", "10.0.0.7")),
+        )
+        .collect();
+    let cli = <Cli as clap::Parser>::try_parse_from(&bridge).expect("bridge arguments");
+    cli.a.validate().expect("valid bridge arguments");
+    assert_eq!(
+        port(&cli.a.zmq),
+        port(events["endpoint"].as_str().expect("endpoint"))
+    );
+    assert!(engine.contains(&format!("--block-size={}", cli.a.block_size)));
+    assert_eq!(cli.a.pod, "10.0.0.7:8000");
+}
