@@ -20,8 +20,9 @@ use axum::extract::State;
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::{Json, Router};
+use bytes::Bytes;
 use parking_lot::Mutex;
-use zeromq::{Socket, SocketRecv};
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::sink::EventSink;
 use crate::translate::Translator;
@@ -37,6 +38,10 @@ pub struct BridgeArgs {
         default_value = "tcp://127.0.0.1:5557"
     )]
     pub zmq: String,
+    /// The engine's replay endpoint (vLLM's `replay_endpoint`): a sequence gap is filled
+    /// from it before falling back to a new epoch.
+    #[arg(long, env = "KVROUTE_BRIDGE_REPLAY")]
+    pub replay: Option<String>,
     /// ZMQ topic to subscribe to (vLLM's `topic`, empty by default).
     #[arg(long, env = "KVROUTE_BRIDGE_TOPIC", default_value = "")]
     pub topic: String,
@@ -89,6 +94,8 @@ struct Counters {
     bad_frames: AtomicU64,
     bad_payloads: AtomicU64,
     send_failures: AtomicU64,
+    replayed: AtomicU64,
+    replay_failures: AtomicU64,
 }
 
 struct Bridge {
@@ -110,7 +117,7 @@ pub async fn run(a: BridgeArgs) -> anyhow::Result<()> {
     let sink = EventSink::connect(a.nats.as_deref(), a.sidecars.clone()).await?;
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     tokio::spawn(publish(br.clone(), sink, rx));
-    tokio::spawn(receive(br.clone(), a.zmq.clone(), a.topic.clone(), tx));
+    tokio::spawn(receive(br.clone(), a.clone(), tx));
     let app = Router::new()
         .route("/dump", get(dump))
         .route("/metrics", get(metrics))
@@ -127,23 +134,20 @@ pub async fn run(a: BridgeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn receive(
-    br: Arc<Bridge>,
-    endpoint: String,
-    topic: String,
-    tx: tokio::sync::mpsc::UnboundedSender<kvroute_shared::protocol::EventBatch>,
-) {
+type Out = tokio::sync::mpsc::UnboundedSender<kvroute_shared::protocol::EventBatch>;
+
+async fn receive(br: Arc<Bridge>, a: BridgeArgs, tx: Out) {
     let mut sock = zeromq::SubSocket::new();
-    if let Err(e) = sock.subscribe(&topic).await {
+    if let Err(e) = sock.subscribe(&a.topic).await {
         tracing::error!("zmq subscribe: {e}");
         return;
     }
     // Waits for the engine to come up, then reconnects by itself.
-    if let Err(e) = sock.connect(&endpoint).await {
-        tracing::error!("zmq connect {endpoint}: {e}");
+    if let Err(e) = sock.connect(&a.zmq).await {
+        tracing::error!("zmq connect {}: {e}", a.zmq);
         return;
     }
-    tracing::info!(%endpoint, "subscribed to engine KV events");
+    tracing::info!(endpoint = %a.zmq, "subscribed to engine KV events");
     loop {
         let msg = match sock.recv().await {
             Ok(m) => m,
@@ -156,29 +160,90 @@ async fn receive(
         br.n.messages.fetch_add(1, Ordering::Relaxed);
         // (topic, sequence as 8 bytes big-endian, msgpack payload)
         let frames = msg.into_vec();
-        let (Some(seq), Some(payload)) = (frames.get(1), frames.get(2)) else {
+        let Some((seq, payload)) = seq_and_payload(frames.get(1), frames.get(2)) else {
             br.n.bad_frames.fetch_add(1, Ordering::Relaxed);
             continue;
         };
-        let Ok(seq) = <[u8; 8]>::try_from(seq.as_ref()).map(u64::from_be_bytes) else {
-            br.n.bad_frames.fetch_add(1, Ordering::Relaxed);
-            continue;
-        };
-        let batch = match vllm::decode(payload) {
-            Ok(b) => b,
-            Err(e) => {
-                br.n.bad_payloads.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(seq, "engine event batch refused: {e}");
-                continue;
-            }
-        };
-        let out = br.tr.lock().on_batch(seq, &batch);
-        if let Some(b) = out {
-            if tx.send(b).is_err() {
-                return;
+        let last = br.tr.lock().last_engine_seq();
+        if let (Some(ep), Some(last)) = (&a.replay, last) {
+            if seq > last + 1 {
+                fill_gap(&br, ep, last + 1, seq, &tx).await;
             }
         }
+        if !apply(&br, seq, payload, &tx) {
+            return;
+        }
     }
+}
+
+fn seq_and_payload<'a>(
+    seq: Option<&Bytes>,
+    payload: Option<&'a Bytes>,
+) -> Option<(u64, &'a Bytes)> {
+    let seq = <[u8; 8]>::try_from(seq?.as_ref()).ok()?;
+    Some((u64::from_be_bytes(seq), payload?))
+}
+
+/// Decode, translate and queue one engine batch; false when the publisher is gone.
+fn apply(br: &Bridge, seq: u64, payload: &[u8], tx: &Out) -> bool {
+    let batch = match vllm::decode(payload) {
+        Ok(b) => b,
+        Err(e) => {
+            br.n.bad_payloads.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(seq, "engine event batch refused: {e}");
+            return true;
+        }
+    };
+    let out = br.tr.lock().on_batch(seq, &batch);
+    out.is_none_or(|b| tx.send(b).is_ok())
+}
+
+/// Ask the engine to replay batches `from..until`; apply them if it still has them all
+/// (otherwise the next batch finds the gap, and a new epoch starts).
+async fn fill_gap(br: &Bridge, endpoint: &str, from: u64, until: u64, tx: &Out) {
+    match replay(endpoint, from, until).await {
+        Some(missed) => {
+            for (seq, payload) in &missed {
+                apply(br, *seq, payload, tx);
+            }
+            br.n.replayed
+                .fetch_add(missed.len() as u64, Ordering::Relaxed);
+        }
+        None => {
+            br.n.replay_failures.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// vLLM's replay protocol: send the first sequence wanted (8 bytes big-endian) to its
+/// ROUTER socket; it answers (seq, payload) for each batch it still buffers, then
+/// seq = −1. `None` unless every batch in `from..until` came back.
+async fn replay(endpoint: &str, from: u64, until: u64) -> Option<Vec<(u64, Bytes)>> {
+    let ask = async {
+        let mut s = zeromq::DealerSocket::new();
+        s.connect(endpoint).await.ok()?;
+        let mut m = ZmqMessage::from(Vec::<u8>::new());
+        m.push_back(from.to_be_bytes().to_vec().into());
+        s.send(m).await.ok()?;
+        let mut out = Vec::new();
+        loop {
+            let frames = s.recv().await.ok()?.into_vec();
+            let (seq, payload) = seq_and_payload(frames.get(1), frames.get(2))?;
+            if seq == u64::MAX {
+                break;
+            }
+            if (from..until).contains(&seq) {
+                out.push((seq, payload.clone()));
+            }
+        }
+        let complete = out.len() as u64 == until - from
+            && out.iter().zip(from..).all(|((s, _), want)| *s == want);
+        complete.then_some(out)
+    };
+    tokio::time::timeout(Duration::from_secs(2), ask)
+        .await
+        .ok()
+        .flatten()
 }
 
 async fn publish(
@@ -203,77 +268,67 @@ async fn metrics(State(br): State<Arc<Bridge>>) -> impl IntoResponse {
         (t.stats.clone(), t.known_blocks())
     };
     let n = |c: &AtomicU64| c.load(Ordering::Relaxed);
+    let counters = [
+        ("messages", "ZMQ messages received.", n(&br.n.messages)),
+        (
+            "bad_frames",
+            "Messages without (topic, seq, payload) frames.",
+            n(&br.n.bad_frames),
+        ),
+        (
+            "bad_payloads",
+            "Payloads that are not an engine event batch.",
+            n(&br.n.bad_payloads),
+        ),
+        (
+            "send_failures",
+            "Batches a destination refused or did not get.",
+            n(&br.n.send_failures),
+        ),
+        (
+            "replayed",
+            "Engine batches recovered from its replay socket.",
+            n(&br.n.replayed),
+        ),
+        (
+            "replay_failures",
+            "Gaps the replay socket could not fill.",
+            n(&br.n.replay_failures),
+        ),
+        (
+            "batches_out",
+            "kvroute event batches published.",
+            s.batches_out,
+        ),
+        ("duplicates", "Engine batches seen twice.", s.duplicates),
+        (
+            "gaps",
+            "Engine sequence gaps left open (each starts a new epoch).",
+            s.gaps,
+        ),
+        ("restarts", "Engine restarts seen.", s.restarts),
+        (
+            "blocks_stored",
+            "Blocks translated as stored.",
+            s.blocks_stored,
+        ),
+        (
+            "blocks_removed",
+            "Blocks translated as removed.",
+            s.blocks_removed,
+        ),
+    ];
     let mut out = String::new();
-    let mut line = |name: &str, help: &str, kind: &str, v: u64| {
-        out += &format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n");
-    };
-    line(
-        "kvroute_bridge_messages_total",
-        "ZMQ messages received.",
-        "counter",
-        n(&br.n.messages),
+    for (name, help, v) in counters {
+        let name = format!("kvroute_bridge_{name}_total");
+        out += &format!("# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}\n");
+    }
+    out += &format!(
+        "# HELP kvroute_bridge_known_blocks Engine blocks with a kvroute name.\n\
+         # TYPE kvroute_bridge_known_blocks gauge\nkvroute_bridge_known_blocks {known}\n\
+         # HELP kvroute_bridge_blocks_skipped_total Blocks not translated, by reason.\n\
+         # TYPE kvroute_bridge_blocks_skipped_total counter\n"
     );
-    line(
-        "kvroute_bridge_bad_frames_total",
-        "Messages without (topic, seq, payload) frames.",
-        "counter",
-        n(&br.n.bad_frames),
-    );
-    line(
-        "kvroute_bridge_bad_payloads_total",
-        "Payloads that are not an engine event batch.",
-        "counter",
-        n(&br.n.bad_payloads),
-    );
-    line(
-        "kvroute_bridge_send_failures_total",
-        "Batches a destination refused or did not get.",
-        "counter",
-        n(&br.n.send_failures),
-    );
-    line(
-        "kvroute_bridge_batches_out_total",
-        "kvroute event batches published.",
-        "counter",
-        s.batches_out,
-    );
-    line(
-        "kvroute_bridge_duplicates_total",
-        "Engine batches seen twice.",
-        "counter",
-        s.duplicates,
-    );
-    line(
-        "kvroute_bridge_gaps_total",
-        "Engine sequence gaps (each starts a new epoch).",
-        "counter",
-        s.gaps,
-    );
-    line(
-        "kvroute_bridge_restarts_total",
-        "Engine restarts seen.",
-        "counter",
-        s.restarts,
-    );
-    line(
-        "kvroute_bridge_blocks_stored_total",
-        "Blocks translated as stored.",
-        "counter",
-        s.blocks_stored,
-    );
-    line(
-        "kvroute_bridge_blocks_removed_total",
-        "Blocks translated as removed.",
-        "counter",
-        s.blocks_removed,
-    );
-    line(
-        "kvroute_bridge_known_blocks",
-        "Engine blocks with a kvroute name.",
-        "gauge",
-        known as u64,
-    );
-    out += "# HELP kvroute_bridge_blocks_skipped_total Blocks not translated, by reason.\n# TYPE kvroute_bridge_blocks_skipped_total counter\n";
     for (why, v) in &s.skipped {
         out += &format!("kvroute_bridge_blocks_skipped_total{{reason=\"{why}\"}} {v}\n");
     }

@@ -10,7 +10,8 @@
 //! Sequence numbers: the engine numbers its batches; this side numbers what it emits,
 //! per epoch. An engine restart (its sequence goes back) is a new kvroute epoch — the
 //! sidecars drop the pod's blocks at once. A gap (lost ZMQ batches, so lost removals) is
-//! a new epoch too: stale facts are worse than missing ones. Translations survive a gap
+//! a new epoch too — stale facts are worse than missing ones — unless the bridge could
+//! fill it from the engine's replay socket first. Translations survive a gap
 //! (engine hashes name content, so they stay true) so later blocks still chain; only
 //! what is resident is reset.
 //!
@@ -301,6 +302,11 @@ impl Translator {
             ts: None,
             events,
         }
+    }
+
+    /// The engine's sequence number of the last batch taken in.
+    pub fn last_engine_seq(&self) -> Option<u64> {
+        self.last_engine_seq
     }
 
     /// Engine blocks with a translation (resident or kept across a gap).

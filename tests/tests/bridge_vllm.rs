@@ -12,7 +12,7 @@ use kvroute_tests::client::{token_chain, Api};
 use kvroute_tests::procs::{free_port, wait_until, workspace_bin, Child};
 use kvroute_tests::services::SidecarProc;
 use rmpv::Value;
-use zeromq::{Socket, SocketSend, ZmqMessage};
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 const M: &str = "m";
 const BS: u32 = 16;
@@ -89,7 +89,7 @@ struct Bridge {
 }
 
 impl Bridge {
-    fn start(zmq_port: u16, sidecar: &str) -> Bridge {
+    fn start(zmq_port: u16, sidecar: &str, extra: &[String]) -> Bridge {
         let dir = tempfile::tempdir().expect("tempdir");
         let log = dir.path().join("bridge.log");
         let listen = format!("127.0.0.1:{}", free_port());
@@ -97,7 +97,8 @@ impl Bridge {
         cmd.args(["bridge", "--zmq"])
             .arg(format!("tcp://127.0.0.1:{zmq_port}"))
             .args(["--pod", POD, "--model", M, "--block-size", "16"])
-            .args(["--sidecar", sidecar, "--listen", &listen]);
+            .args(["--sidecar", sidecar, "--listen", &listen])
+            .args(extra);
         let child = Child::spawn("kvroute-bridge", &mut cmd, Some(&log)).expect("bridge");
         let b = Bridge {
             child,
@@ -158,7 +159,7 @@ async fn vllm_events_reach_the_index_under_the_filters_hashes() {
     let sc = SidecarProc::start(&[], false).expect("sidecar");
     let api = Api::new(sc.addr);
     let (mut engine, port) = Engine::bind().await;
-    let bridge = Bridge::start(port, &format!("http://{}", sc.addr));
+    let bridge = Bridge::start(port, &format!("http://{}", sc.addr), &[]);
 
     let tokens: Vec<u32> = (0..6 * BS).map(|i| 1000 + i * 7).collect();
     let chain = token_chain(M, BS, &tokens);
@@ -260,4 +261,98 @@ async fn vllm_events_reach_the_index_under_the_filters_hashes() {
         .get("/metrics")
         .await
         .contains("kvroute_bridge_restarts_total 1"));
+}
+
+/// vLLM's replay socket: a ROUTER that answers a start sequence with every buffered
+/// batch from there on, then sequence −1.
+async fn serve_replay(buffer: Vec<(u64, Vec<u8>)>) -> u16 {
+    let mut sock = zeromq::RouterSocket::new();
+    let port = match sock.bind("tcp://127.0.0.1:0").await.expect("bind") {
+        zeromq::Endpoint::Tcp(_, port) => port,
+        other => panic!("unexpected endpoint {other}"),
+    };
+    tokio::spawn(async move {
+        while let Ok(req) = sock.recv().await {
+            let frames = req.into_vec();
+            let (Some(id), Some(start)) = (frames.first(), frames.get(2)) else {
+                continue;
+            };
+            let start = u64::from_be_bytes(start.as_ref().try_into().unwrap_or([0; 8]));
+            let reply = |seq: Vec<u8>, payload: Vec<u8>| {
+                let mut m = ZmqMessage::from(id.clone());
+                m.push_back(Vec::<u8>::new().into());
+                m.push_back(seq.into());
+                m.push_back(payload.into());
+                m
+            };
+            for (seq, p) in buffer.iter().filter(|(s, _)| *s >= start) {
+                let _ = sock
+                    .send(reply(seq.to_be_bytes().to_vec(), p.clone()))
+                    .await;
+            }
+            let _ = sock
+                .send(reply((-1i64).to_be_bytes().to_vec(), vec![]))
+                .await;
+        }
+    });
+    port
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_is_filled_from_the_engines_replay_socket() {
+    let sc = SidecarProc::start(&[], false).expect("sidecar");
+    let api = Api::new(sc.addr);
+    let tokens: Vec<u32> = (0..4 * BS).map(|i| 3000 + i).collect();
+    let chain = token_chain(M, BS, &tokens);
+    let b = BS as usize;
+    let block = |i: usize, parent: Option<u64>| {
+        batch_positional(vec![stored_positional(
+            &[i as u64 + 1],
+            parent,
+            &tokens[i * b..(i + 1) * b],
+        )])
+    };
+    // Batches 1 and 2 never reach the bridge; the engine still buffers them.
+    let replay_port = serve_replay(vec![(1, block(1, Some(1))), (2, block(2, Some(2)))]).await;
+    let (mut engine, port) = Engine::bind().await;
+    let bridge = Bridge::start(
+        port,
+        &format!("http://{}", sc.addr),
+        &[format!("--replay=tcp://127.0.0.1:{replay_port}")],
+    );
+    send_until(&mut engine, &api, 0, block(0, None), &chain, 1).await;
+    engine.send(3, block(3, Some(3))).await;
+    api.until_matched(M, &chain, BS, 4, "blocks 1-2 replayed, 3 applied")
+        .await;
+    let m = bridge.get("/metrics").await;
+    for want in [
+        "kvroute_bridge_replayed_total 2",
+        "kvroute_bridge_gaps_total 0",
+        "kvroute_bridge_replay_failures_total 0",
+    ] {
+        assert!(m.contains(want), "{want} in {m}");
+    }
+    // A gap the buffer no longer covers: a new epoch after all.
+    let other: Vec<u32> = (0..BS).map(|i| 7 + i).collect();
+    let other_chain = token_chain(M, BS, &other);
+    engine
+        .send(
+            9,
+            batch_positional(vec![stored_positional(&[99], None, &other)]),
+        )
+        .await;
+    api.until_matched(M, &other_chain, BS, 1, "the batch after the gap")
+        .await;
+    assert_eq!(
+        api.matched(M, &chain, BS).await,
+        0,
+        "pre-gap blocks dropped"
+    );
+    let m = bridge.get("/metrics").await;
+    for want in [
+        "kvroute_bridge_replay_failures_total 1",
+        "kvroute_bridge_gaps_total 1",
+    ] {
+        assert!(m.contains(want), "{want} in {m}");
+    }
 }
