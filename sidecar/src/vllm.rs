@@ -382,6 +382,10 @@ pub(crate) mod tests {
             .err()
             .unwrap_or_default()
             .contains("block_size"));
+        // Declared lengths are not trusted: a 4-billion-element array header is an error,
+        // not an allocation.
+        assert!(decode(b"\xdd\xff\xff\xff\xff\xc0").is_err());
+        assert!(decode(b"\x92\xcb\0\0\0\0\0\0\0\0\xdd\xff\xff\xff\xff").is_err());
         let mut trailing = batch_array(vec![]);
         trailing.push(0);
         assert!(decode(&trailing)
