@@ -63,6 +63,11 @@ pub struct EventBatch {
     /// Send time, Unix seconds (optional; used for event-lag metrics).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ts: Option<f64>,
+    /// Where this pod's full cache can be fetched (an EventBatch of `stored` events), for
+    /// resyncs. Taken for pods that were not registered explicitly (a registration's own
+    /// `dump_url` wins); lets a restarted sidecar rebuild a pod's blocks at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dump_url: Option<String>,
     pub events: Vec<Event>,
 }
 
@@ -168,6 +173,13 @@ impl EventBatch {
         ] {
             if value.is_empty() {
                 return Err(EventError::Field(name));
+            }
+        }
+        if let Some(u) = &self.dump_url {
+            if !(u.starts_with("http://") || u.starts_with("https://")) || u.len() > 2048 {
+                return Err(EventError::Value(format!(
+                    "dump_url {u:?} is not an http(s) URL of at most 2048 bytes"
+                )));
             }
         }
         for ev in &self.events {

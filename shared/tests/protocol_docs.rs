@@ -79,6 +79,7 @@ fn batches_round_trip_and_bad_ones_say_why() {
         epoch: "e".into(),
         seq: 3,
         ts: None,
+        dump_url: None,
         events: vec![
             Event::Stored {
                 tier: Tier::Cpu,

@@ -65,9 +65,14 @@ pub struct BridgeArgs {
         value_delimiter = ','
     )]
     pub sidecars: Vec<String>,
-    /// Serves `GET /dump` (register it as the pod's `dump_url`), `/metrics`, `/healthz`.
+    /// Serves `GET /dump`, `/metrics`, `/healthz`.
     #[arg(long, env = "KVROUTE_BRIDGE_LISTEN", default_value = "0.0.0.0:9400")]
     pub listen: SocketAddr,
+    /// The dump's URL as sidecars reach it, sent in every batch so that a sidecar which
+    /// restarts (or loses a batch) resyncs the pod from it. Default: the pod's host and
+    /// the --listen port; empty: do not advertise.
+    #[arg(long, env = "KVROUTE_BRIDGE_DUMP_URL")]
+    pub dump_url: Option<String>,
 }
 
 impl BridgeArgs {
@@ -84,7 +89,23 @@ impl BridgeArgs {
         if self.nats.is_none() && self.sidecars.is_empty() {
             anyhow::bail!("nowhere to send events: give --nats and/or --sidecar");
         }
+        if let Some(u) = self.advertised_dump_url() {
+            if !(u.starts_with("http://") || u.starts_with("https://")) {
+                anyhow::bail!("--dump-url {u:?} must be an http(s) URL");
+            }
+        }
         Ok(())
+    }
+
+    pub fn advertised_dump_url(&self) -> Option<String> {
+        match &self.dump_url {
+            Some(u) if u.is_empty() => None,
+            Some(u) => Some(u.clone()),
+            None => {
+                let host = self.pod.rsplit_once(':').map_or(self.pod.as_str(), |h| h.0);
+                Some(format!("http://{host}:{}/dump", self.listen.port()))
+            }
+        }
     }
 }
 
@@ -111,7 +132,10 @@ pub async fn run(a: BridgeArgs) -> anyhow::Result<()> {
         .unwrap_or(0);
     let epoch_base = format!("bridge-{started}-{}", std::process::id());
     let br = Arc::new(Bridge {
-        tr: Mutex::new(Translator::new(&a.pod, &a.model, a.block_size, &epoch_base)),
+        tr: Mutex::new(
+            Translator::new(&a.pod, &a.model, a.block_size, &epoch_base)
+                .with_dump_url(a.advertised_dump_url()),
+        ),
         n: Counters::default(),
     });
     let sink = EventSink::connect(a.nats.as_deref(), a.sidecars.clone()).await?;

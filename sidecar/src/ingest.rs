@@ -4,8 +4,8 @@
 //! Per pod the sidecar tracks `(epoch, seq)`: a new epoch is an engine restart (its old
 //! blocks go at once, via a fresh index slot); `seq ≤ last` is a duplicate or replay
 //! (ignored, so applying a batch twice or from two consumers ends as once); a gap marks
-//! the pod stale and triggers a resync (its dump URL if registered, otherwise its blocks
-//! are dropped and rebuilt from live events). Batches of one pod are applied under that
+//! the pod stale and triggers a resync (its dump URL if registered or advertised in the
+//! batches, otherwise its blocks are dropped and rebuilt from live events). Batches of one pod are applied under that
 //! pod's ingest lock, so two consumers cannot interleave them out of order.
 
 use std::collections::HashMap;
@@ -174,6 +174,11 @@ fn ingest_inner(
             });
         }
         pod.last_seen = now;
+        // An engine-side publisher may say where its dump is; an explicit registration's
+        // word wins.
+        if !pod.registered && b.dump_url.is_some() && pod.reg.dump_url != b.dump_url {
+            pod.reg.dump_url = b.dump_url.clone();
+        }
         if pod.epoch.as_deref() != Some(b.epoch.as_str()) {
             if pod.epoch.is_some() {
                 out.restarted = true;

@@ -62,6 +62,8 @@ pub struct Translator {
     next_seq: u64,
     last_engine_seq: Option<u64>,
     known: HashMap<u64, Known>,
+    /// Advertised in every batch, so sidecars that never saw a registration can resync.
+    dump_url: Option<String>,
     pub stats: Stats,
 }
 
@@ -77,8 +79,14 @@ impl Translator {
             next_seq: 0,
             last_engine_seq: None,
             known: HashMap::new(),
+            dump_url: None,
             stats: Stats::default(),
         }
+    }
+
+    pub fn with_dump_url(mut self, url: Option<String>) -> Self {
+        self.dump_url = url;
+        self
     }
 
     pub fn epoch(&self) -> String {
@@ -196,6 +204,7 @@ impl Translator {
             epoch: self.epoch(),
             seq,
             ts: b.ts,
+            dump_url: self.dump_url.clone(),
             events,
         })
     }
@@ -300,6 +309,7 @@ impl Translator {
             epoch: self.epoch(),
             seq: self.next_seq.saturating_sub(1),
             ts: None,
+            dump_url: None,
             events,
         }
     }

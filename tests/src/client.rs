@@ -168,6 +168,7 @@ pub fn batch(pod: &str, model: &str, epoch: &str, seq: u64, events: Vec<Event>) 
         epoch: epoch.into(),
         seq,
         ts: None,
+        dump_url: None,
         events,
     }
 }

@@ -150,6 +150,7 @@ impl Engine {
             epoch: self.epoch.lock().clone(),
             seq: self.seq.fetch_add(1, Ordering::Relaxed),
             ts: Some(unix_now()),
+            dump_url: None,
             events,
         };
         let _ = self.events.send(b);
@@ -340,6 +341,7 @@ async fn dump(State(eng): State<Arc<Engine>>) -> Response {
         epoch: eng.epoch.lock().clone(),
         seq: eng.seq.load(Ordering::Relaxed).saturating_sub(1),
         ts: Some(unix_now()),
+        dump_url: None,
         events: vec![Event::Stored {
             tier: Tier::Gpu,
             parent: None,

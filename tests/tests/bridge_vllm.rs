@@ -89,7 +89,8 @@ struct Bridge {
 }
 
 impl Bridge {
-    fn start(zmq_port: u16, sidecar: &str, extra: &[String]) -> Bridge {
+    /// `sink` says where to publish (`--sidecar=URL` or `--nats=URL`), then any extra flags.
+    fn start(zmq_port: u16, sink: &[String]) -> Bridge {
         let dir = tempfile::tempdir().expect("tempdir");
         let log = dir.path().join("bridge.log");
         let listen = format!("127.0.0.1:{}", free_port());
@@ -97,8 +98,8 @@ impl Bridge {
         cmd.args(["bridge", "--zmq"])
             .arg(format!("tcp://127.0.0.1:{zmq_port}"))
             .args(["--pod", POD, "--model", M, "--block-size", "16"])
-            .args(["--sidecar", sidecar, "--listen", &listen])
-            .args(extra);
+            .args(["--listen", &listen])
+            .args(sink);
         let child = Child::spawn("kvroute-bridge", &mut cmd, Some(&log)).expect("bridge");
         let b = Bridge {
             child,
@@ -159,7 +160,7 @@ async fn vllm_events_reach_the_index_under_the_filters_hashes() {
     let sc = SidecarProc::start(&[], false).expect("sidecar");
     let api = Api::new(sc.addr);
     let (mut engine, port) = Engine::bind().await;
-    let bridge = Bridge::start(port, &format!("http://{}", sc.addr), &[]);
+    let bridge = Bridge::start(port, &[format!("--sidecar=http://{}", sc.addr)]);
 
     let tokens: Vec<u32> = (0..6 * BS).map(|i| 1000 + i * 7).collect();
     let chain = token_chain(M, BS, &tokens);
@@ -317,8 +318,10 @@ async fn a_gap_is_filled_from_the_engines_replay_socket() {
     let (mut engine, port) = Engine::bind().await;
     let bridge = Bridge::start(
         port,
-        &format!("http://{}", sc.addr),
-        &[format!("--replay=tcp://127.0.0.1:{replay_port}")],
+        &[
+            format!("--sidecar=http://{}", sc.addr),
+            format!("--replay=tcp://127.0.0.1:{replay_port}"),
+        ],
     );
     send_until(&mut engine, &api, 0, block(0, None), &chain, 1).await;
     engine.send(3, block(3, Some(3))).await;
@@ -355,4 +358,74 @@ async fn a_gap_is_filled_from_the_engines_replay_socket() {
     ] {
         assert!(m.contains(want), "{want} in {m}");
     }
+}
+
+/// The bridge advertises its dump in every batch: a gateway sidecar that restarts (and
+/// so missed everything before) rebuilds the pod's blocks from it at the next batch,
+/// with no registration anywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_sidecar_resyncs_from_the_bridges_dump() {
+    let nats = kvroute_tests::services::Nats::start().expect("nats");
+    let mut sc = SidecarProc::start(&["--nats", &nats.url()], false).expect("sidecar");
+    let (mut engine, port) = Engine::bind().await;
+    let bridge = Bridge::start(port, &[format!("--nats={}", nats.url())]);
+    let tokens: Vec<u32> = (0..4 * BS).map(|i| 500 + i).collect();
+    let chain = token_chain(M, BS, &tokens);
+    let b = BS as usize;
+    let block = |i: usize, parent: Option<u64>| {
+        batch_positional(vec![stored_positional(
+            &[i as u64 + 1],
+            parent,
+            &tokens[i * b..(i + 1) * b],
+        )])
+    };
+    let api = Api::new(sc.addr);
+    until_subscribed(&api).await;
+    for i in 0..3usize {
+        let parent = i.checked_sub(1).map(|p| p as u64 + 1);
+        send_until(
+            &mut engine,
+            &api,
+            i as u64,
+            block(i, parent),
+            &chain,
+            i as u32 + 1,
+        )
+        .await;
+    }
+    sc.restart().expect("sidecar restart");
+    let api = Api::new(sc.addr);
+    until_subscribed(&api).await;
+    assert_eq!(
+        api.matched(M, &chain, BS).await,
+        0,
+        "a new sidecar knows nothing"
+    );
+    // The next batch is the first this sidecar sees, and not the first of its epoch: it
+    // fetches the dump named in the batch, then applies the batch.
+    send_until(&mut engine, &api, 3, block(3, Some(3)), &chain, 4).await;
+    let pod = api.get(&format!("/v1/pods/{POD}")).await;
+    assert_eq!(
+        pod.json["dump_url"],
+        format!(
+            "http://127.0.0.1:{}/dump",
+            bridge.listen.rsplit(':').next().unwrap_or("")
+        ),
+        "{}",
+        pod.json
+    );
+    assert_eq!(api.metric("kvroute_resyncs_total{how=\"dump\"}").await, 1.0);
+}
+
+/// Core NATS has no replay, and the bridge forwards each engine batch once: publish only
+/// once the sidecar's subscription is live.
+async fn until_subscribed(api: &Api) {
+    for _ in 0..200 {
+        if api.metric("kvroute_nats_connected").await == 1.0 {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("sidecar never connected to NATS");
 }
