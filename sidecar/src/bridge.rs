@@ -190,8 +190,8 @@ async fn receive(br: Arc<Bridge>, a: BridgeArgs, tx: Out) {
         };
         let last = br.tr.lock().last_engine_seq();
         if let (Some(ep), Some(last)) = (&a.replay, last) {
-            if seq > last + 1 {
-                fill_gap(&br, ep, last + 1, seq, &tx).await;
+            if seq > last.saturating_add(1) {
+                fill_gap(&br, ep, last.saturating_add(1), seq, &tx).await;
             }
         }
         if !apply(&br, seq, payload, &tx) {

@@ -117,7 +117,7 @@ impl Translator {
                 self.known.clear();
                 self.new_epoch();
             }
-            Some(last) if engine_seq > last + 1 => {
+            Some(last) if engine_seq > last.saturating_add(1) => {
                 self.stats.gaps += 1;
                 for k in self.known.values_mut() {
                     k.tiers = 0;
@@ -229,7 +229,7 @@ impl Translator {
             self.skip("block_size_mismatch", hashes.len());
             return None;
         }
-        if tokens.len() != hashes.len() * block_size as usize {
+        if hashes.len().checked_mul(block_size as usize) != Some(tokens.len()) {
             self.skip("partial_blocks", hashes.len());
             return None;
         }
