@@ -21,6 +21,7 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::{Json, Router};
 use bytes::Bytes;
+use futures::StreamExt;
 use parking_lot::Mutex;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
@@ -162,6 +163,8 @@ type Out = tokio::sync::mpsc::UnboundedSender<kvroute_shared::protocol::EventBat
 
 async fn receive(br: Arc<Bridge>, a: BridgeArgs, tx: Out) {
     let mut sock = zeromq::SubSocket::new();
+    // Connection events: next to the engine, a reconnection means it restarted.
+    let mut monitor = sock.monitor();
     if let Err(e) = sock.subscribe(&a.topic).await {
         tracing::error!("zmq subscribe: {e}");
         return;
@@ -173,7 +176,25 @@ async fn receive(br: Arc<Bridge>, a: BridgeArgs, tx: Out) {
     }
     tracing::info!(endpoint = %a.zmq, "subscribed to engine KV events");
     loop {
-        let msg = match sock.recv().await {
+        // Connection events first: a batch of a restarted engine must not be read as
+        // one of the old engine's.
+        let msg = tokio::select! {
+            biased;
+            Some(ev) = monitor.next() => {
+                if let zeromq::SocketEvent::Connected(..) = ev {
+                    let out = br.tr.lock().reconnected();
+                    if let Some(b) = out {
+                        tracing::info!("engine stream reconnected: new epoch {}", b.epoch);
+                        if tx.send(b).is_err() {
+                            return;
+                        }
+                    }
+                }
+                continue;
+            }
+            m = sock.recv() => m,
+        };
+        let msg = match msg {
             Ok(m) => m,
             Err(e) => {
                 tracing::debug!("zmq receive: {e}");

@@ -8,7 +8,8 @@
 //! pod's dump for sidecar resyncs.
 //!
 //! Sequence numbers: the engine numbers its batches; this side numbers what it emits,
-//! per epoch. An engine restart (its sequence goes back) is a new kvroute epoch — the
+//! per epoch. An engine restart (its stream reconnects, or its sequence goes back) is a
+//! new kvroute epoch — the
 //! sidecars drop the pod's blocks at once. A gap (lost ZMQ batches, so lost removals) is
 //! a new epoch too — stale facts are worse than missing ones — unless the bridge could
 //! fill it from the engine's replay socket first. Translations survive a gap
@@ -314,6 +315,32 @@ impl Translator {
         }
     }
 
+    /// The engine's stream was cut and re-established. Next to the engine that means
+    /// it restarted (its new sequence may even look like a repeat, and its first
+    /// batches may have gone before the reconnection): forget it all and announce a new
+    /// epoch now. `None` for the first connection.
+    pub fn reconnected(&mut self) -> Option<EventBatch> {
+        if self.last_engine_seq.is_none() && self.known.is_empty() {
+            return None;
+        }
+        self.stats.restarts += 1;
+        self.known.clear();
+        self.last_engine_seq = None;
+        self.new_epoch();
+        self.stats.batches_out += 1;
+        self.next_seq = 1;
+        Some(EventBatch {
+            v: EVENT_VERSION,
+            pod: self.pod.clone(),
+            model: self.model.clone(),
+            epoch: self.epoch(),
+            seq: 0,
+            ts: None,
+            dump_url: self.dump_url.clone(),
+            events: vec![],
+        })
+    }
+
     /// The engine's sequence number of the last batch taken in.
     pub fn last_engine_seq(&self) -> Option<u64> {
         self.last_engine_seq
@@ -472,6 +499,21 @@ mod tests {
         assert!(t.on_batch(5, &one).is_some());
         assert!(t.on_batch(5, &one).is_none());
         assert_eq!(t.stats.duplicates, 1);
+        // A reconnection is a restart: announced at once, and batch 0 is then new.
+        let mut r = Translator::new("p:1", "m", BS, "r");
+        assert!(r.reconnected().is_none(), "the first connection");
+        assert!(r.on_batch(0, &one).is_some());
+        let now = r.reconnected().expect("a new epoch");
+        assert_eq!(
+            (now.epoch.as_str(), now.seq, now.events.len()),
+            ("r-1", 0, 0)
+        );
+        let again = r.on_batch(0, &one).expect("batch 0 of the new engine");
+        assert_eq!(
+            (again.epoch.as_str(), again.seq, r.stats.restarts),
+            ("r-1", 1, 1)
+        );
+        assert_eq!(r.stats.duplicates, 0);
         // A gap: new epoch, nothing resident, but the parent still translates.
         let child = batch(vec![stored(&[2], Some(1), &toks[4..])]);
         let b = t.on_batch(9, &child).expect("a batch");

@@ -33,6 +33,7 @@ use serde_json::{json, Value};
 
 use crate::bench::Rng;
 use crate::cache::BlockCache;
+use crate::vllm_pub::VllmPublisher;
 use kvroute_sidecar::sink::EventSink;
 
 #[derive(Parser, Debug, Clone)]
@@ -67,6 +68,11 @@ pub struct EngineArgs {
     /// POST KV events to this sidecar base URL (http://host:port).
     #[arg(long)]
     pub sidecar: Option<String>,
+    /// Publish KV events as vLLM does instead: msgpack over a ZMQ PUB socket bound here
+    /// (e.g. tcp://127.0.0.1:5557), engine-salted hashes; `kvroute-sidecar bridge`
+    /// translates them.
+    #[arg(long)]
+    pub zmq_events: Option<String>,
     /// Publish no KV events at all (predicted-mode engines).
     #[arg(long)]
     pub no_events: bool,
@@ -123,6 +129,8 @@ struct Engine {
     waiting: AtomicU64,
     rng: Mutex<Rng>,
     events: tokio::sync::mpsc::UnboundedSender<EventBatch>,
+    /// vLLM-style events (`--zmq-events`), in place of kvroute's.
+    vllm: Option<Mutex<VllmPublisher>>,
     served: AtomicU64,
 }
 
@@ -223,6 +231,12 @@ pub async fn run(args: EngineArgs) -> anyhow::Result<()> {
     let mut rng = Rng(args.seed ^ addr.port() as u64 ^ (unix_now() * 1e6) as u64);
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let tokenizer = tiktoken_rs::o200k_base().map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?;
+    let vllm = match &args.zmq_events {
+        Some(ep) => Some(Mutex::new(
+            VllmPublisher::bind(ep, args.block_size, rng.next_u64()).await?,
+        )),
+        None => None,
+    };
     let eng = Arc::new(Engine {
         pod: addr.to_string(),
         tokenizer,
@@ -235,6 +249,7 @@ pub async fn run(args: EngineArgs) -> anyhow::Result<()> {
         waiting: AtomicU64::new(0),
         rng: Mutex::new(rng),
         events: tx,
+        vllm,
         served: AtomicU64::new(0),
         args,
     });
@@ -355,6 +370,10 @@ async fn dump(State(eng): State<Arc<Engine>>) -> Response {
 /// Simulated engine restart: empty cache, new epoch, seq from 0.
 async fn restart(State(eng): State<Arc<Engine>>) -> Json<Value> {
     eng.cache.lock().clear();
+    if let Some(v) = &eng.vllm {
+        let salt = eng.rng.lock().next_u64();
+        v.lock().restarted(salt);
+    }
     let e = new_epoch(&mut eng.rng.lock());
     *eng.epoch.lock() = e.clone();
     eng.seq.store(0, Ordering::Relaxed);
@@ -429,14 +448,17 @@ async fn complete(State(eng): State<Arc<Engine>>, uri: axum::http::Uri, body: By
         drop(lane);
         (adm.hit_blocks, adm.stored, adm.removed)
     };
+    if let Some(v) = &eng.vllm {
+        v.lock().admitted(&chain, &tokens, &stored, &removed);
+    }
     let mut evs = Vec::new();
-    if !removed.is_empty() {
+    if !removed.is_empty() && eng.vllm.is_none() {
         evs.push(Event::Removed {
             tier: Tier::Gpu,
             blocks: removed,
         });
     }
-    if !stored.is_empty() {
+    if !stored.is_empty() && eng.vllm.is_none() {
         evs.push(Event::Stored {
             tier: Tier::Gpu,
             parent: None,

@@ -14,6 +14,7 @@ pub mod services;
 pub mod sim;
 pub mod stack;
 pub mod stub;
+pub mod vllm_pub;
 pub mod workload;
 
 /// Path of the filter module built for wasm32-wasip1 with the `wasm` profile.

@@ -1,5 +1,6 @@
-//! The real services as child processes: `nats-server` and `kvroute-sidecar serve`,
-//! each on free loopback ports, each killed when its handle drops.
+//! The real services as child processes: `nats-server`, `kvroute-sidecar serve` and
+//! `kvroute-sidecar bridge`, each on free loopback ports, each killed when its handle
+//! drops.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -170,4 +171,56 @@ fn listening_addr(log: &Path) -> Option<SocketAddr> {
             .parse()
             .ok()
     })
+}
+
+/// `kvroute-sidecar bridge` for one engine, listening on a free loopback port; started
+/// once it has subscribed to the engine's ZMQ stream (a PUB socket drops what it sends
+/// before that).
+pub struct BridgeProc {
+    pub child: Child,
+    /// `host:port` of its HTTP server (`/dump`, `/metrics`).
+    pub listen: String,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl BridgeProc {
+    /// `zmq` is the engine's PUB endpoint, `pod` its HTTP address; `extra` says where to
+    /// publish (`--nats=URL` / `--sidecar=URL`) and any other flags.
+    pub fn start(zmq: &str, pod: &str, extra: &[String]) -> anyhow::Result<BridgeProc> {
+        let dir = tempfile::tempdir()?;
+        let log = dir.path().join("bridge.log");
+        let listen = format!("127.0.0.1:{}", free_port());
+        let mut cmd = Command::new(sidecar_bin());
+        cmd.args(["bridge", "--zmq", zmq, "--pod", pod, "--model", "m"])
+            .args(["--block-size", "16", "--listen", &listen])
+            .args(extra)
+            .env("KVROUTE_LOG", "info");
+        let child = Child::spawn("kvroute-bridge", &mut cmd, Some(&log))?;
+        let b = BridgeProc {
+            child,
+            listen,
+            log,
+            _dir: dir,
+        };
+        wait_until(Duration::from_secs(10), || {
+            std::fs::read_to_string(&b.log)
+                .ok()
+                .filter(|l| l.contains("subscribed to engine KV events"))
+        })
+        .with_context(|| format!("bridge did not subscribe: {}", b.log()))?;
+        Ok(b)
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// GET a path of its HTTP server, as text.
+    pub async fn get(&self, path: &str) -> String {
+        match reqwest::get(format!("http://{}{path}", self.listen)).await {
+            Ok(r) => r.text().await.unwrap_or_default(),
+            Err(_) => String::new(),
+        }
+    }
 }

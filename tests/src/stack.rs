@@ -13,8 +13,8 @@ use serde_json::{json, Value};
 
 use crate::client::Api;
 use crate::envoy::{Envoy, EnvoyLayout, Fallback, SidecarAddr};
-use crate::procs::{wait_until, workspace_bin, Child};
-use crate::services::{Nats, SidecarProc};
+use crate::procs::{free_port, wait_until, workspace_bin, Child};
+use crate::services::{BridgeProc, Nats, SidecarProc};
 
 pub struct EngineProc {
     pub addr: SocketAddr,
@@ -108,6 +108,9 @@ pub struct StackOpts {
     pub sidecar_args: Vec<String>,
     /// Register pods with their dump URL (for resyncs).
     pub register_dumps: bool,
+    /// Engines speak vLLM's event protocol (ZMQ, salted hashes) and a
+    /// `kvroute-sidecar bridge` beside each translates it (needs `nats`).
+    pub vllm_events: bool,
 }
 
 impl Default for StackOpts {
@@ -120,6 +123,7 @@ impl Default for StackOpts {
             filter_config: json!({"timeout_ms": 50, "default_model": {"block_size": 16}}),
             sidecar_args: vec![],
             register_dumps: true,
+            vllm_events: false,
         }
     }
 }
@@ -128,6 +132,8 @@ pub struct Stack {
     pub nats: Option<Nats>,
     pub sidecar: SidecarProc,
     pub engines: Vec<EngineProc>,
+    /// One per engine with `vllm_events`.
+    pub bridges: Vec<BridgeProc>,
     pub envoy: Envoy,
     pub plain: Envoy,
     pub api: Api,
@@ -144,12 +150,21 @@ impl Stack {
         let sref: Vec<&str> = sargs.iter().map(String::as_str).collect();
         let sidecar = SidecarProc::start(&sref, true)?;
         let api = Api::new(sidecar.addr);
+        anyhow::ensure!(
+            !o.vllm_events || (o.engine_events && nats.is_some()),
+            "vllm_events needs engine_events and nats"
+        );
         let mut engines = Vec::new();
+        let mut zmq = Vec::new();
         for i in 0..o.engines {
             let mut a: Vec<String> = vec!["--seed".into(), (i + 1).to_string()];
             a.extend(o.engine_args.iter().cloned());
             if !o.engine_events {
                 a.push("--no-events".into());
+            } else if o.vllm_events {
+                let ep = format!("tcp://127.0.0.1:{}", free_port());
+                a.extend(["--zmq-events".into(), ep.clone()]);
+                zmq.push(ep);
             } else if let Some(n) = &nats {
                 a.extend(["--nats".into(), n.url()]);
             } else {
@@ -157,10 +172,24 @@ impl Stack {
             }
             engines.push(EngineProc::start(&a)?);
         }
-        for e in &engines {
+        let mut bridges = Vec::new();
+        if let Some(n) = nats.as_ref().filter(|_| o.vllm_events) {
+            for (e, ep) in engines.iter().zip(&zmq) {
+                let pod = e.addr.to_string();
+                bridges.push(BridgeProc::start(
+                    ep,
+                    &pod,
+                    &[format!("--nats={}", n.url())],
+                )?);
+            }
+        }
+        for (i, e) in engines.iter().enumerate() {
             let mut reg = json!({"model": "m"});
             if o.register_dumps {
-                reg["dump_url"] = json!(format!("http://{}/kvroute/dump", e.addr));
+                reg["dump_url"] = match bridges.get(i) {
+                    Some(b) => json!(format!("http://{}/dump", b.listen)),
+                    None => json!(format!("http://{}/kvroute/dump", e.addr)),
+                };
             }
             let r = api.put(&format!("/v1/pods/{}", e.addr), &reg).await;
             anyhow::ensure!(r.status == 200, "registering {}: {}", e.addr, r.json);
@@ -198,6 +227,7 @@ impl Stack {
             nats,
             sidecar,
             engines,
+            bridges,
             envoy,
             plain,
             api,
@@ -226,6 +256,7 @@ impl Stack {
             self.plain.child.pid(),
         ];
         v.extend(self.engines.iter().map(|e| e.pid()));
+        v.extend(self.bridges.iter().map(|b| b.child.pid()));
         if let Some(n) = &self.nats {
             v.extend(n.pid());
         }

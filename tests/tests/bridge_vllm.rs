@@ -5,12 +5,10 @@
 //! payload is counted and skipped; an engine restart drops the pod's blocks; the
 //! bridge's dump is the engine's cache.
 
-use std::process::Command;
 use std::time::Duration;
 
 use kvroute_tests::client::{token_chain, Api};
-use kvroute_tests::procs::{free_port, wait_until, workspace_bin, Child};
-use kvroute_tests::services::SidecarProc;
+use kvroute_tests::services::{BridgeProc, SidecarProc};
 use rmpv::Value;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
@@ -81,59 +79,8 @@ impl Engine {
     }
 }
 
-struct Bridge {
-    child: Child,
-    listen: String,
-    log: std::path::PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl Bridge {
-    /// `sink` says where to publish (`--sidecar=URL` or `--nats=URL`), then any extra flags.
-    fn start(zmq_port: u16, sink: &[String]) -> Bridge {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let log = dir.path().join("bridge.log");
-        let listen = format!("127.0.0.1:{}", free_port());
-        let mut cmd = Command::new(workspace_bin("kvroute-sidecar"));
-        cmd.args(["bridge", "--zmq"])
-            .arg(format!("tcp://127.0.0.1:{zmq_port}"))
-            .args(["--pod", POD, "--model", M, "--block-size", "16"])
-            .args(["--listen", &listen])
-            .args(sink);
-        let child = Child::spawn("kvroute-bridge", &mut cmd, Some(&log)).expect("bridge");
-        let b = Bridge {
-            child,
-            listen,
-            log,
-            _dir: dir,
-        };
-        wait_until(Duration::from_secs(10), || {
-            std::fs::read_to_string(&b.log)
-                .ok()
-                .filter(|l| l.contains("subscribed to engine KV events"))
-        })
-        .unwrap_or_else(|| panic!("bridge did not subscribe: {}", b.log_text()));
-        b
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    async fn get(&self, path: &str) -> String {
-        reqwest::get(format!("http://{}{path}", self.listen))
-            .await
-            .expect("bridge http")
-            .text()
-            .await
-            .unwrap_or_default()
-    }
-}
-
-impl Drop for Bridge {
-    fn drop(&mut self) {
-        self.child.kill();
-    }
+fn bridge(zmq_port: u16, sink: &[String]) -> BridgeProc {
+    BridgeProc::start(&format!("tcp://127.0.0.1:{zmq_port}"), POD, sink).expect("bridge")
 }
 
 /// PUB/SUB drops what is sent before the subscription is live: send until it shows.
@@ -160,7 +107,7 @@ async fn vllm_events_reach_the_index_under_the_filters_hashes() {
     let sc = SidecarProc::start(&[], false).expect("sidecar");
     let api = Api::new(sc.addr);
     let (mut engine, port) = Engine::bind().await;
-    let bridge = Bridge::start(port, &[format!("--sidecar=http://{}", sc.addr)]);
+    let bridge = bridge(port, &[format!("--sidecar=http://{}", sc.addr)]);
 
     let tokens: Vec<u32> = (0..6 * BS).map(|i| 1000 + i * 7).collect();
     let chain = token_chain(M, BS, &tokens);
@@ -316,7 +263,7 @@ async fn a_gap_is_filled_from_the_engines_replay_socket() {
     // Batches 1 and 2 never reach the bridge; the engine still buffers them.
     let replay_port = serve_replay(vec![(1, block(1, Some(1))), (2, block(2, Some(2)))]).await;
     let (mut engine, port) = Engine::bind().await;
-    let bridge = Bridge::start(
+    let bridge = bridge(
         port,
         &[
             format!("--sidecar=http://{}", sc.addr),
@@ -368,7 +315,7 @@ async fn a_restarted_sidecar_resyncs_from_the_bridges_dump() {
     let nats = kvroute_tests::services::Nats::start().expect("nats");
     let mut sc = SidecarProc::start(&["--nats", &nats.url()], false).expect("sidecar");
     let (mut engine, port) = Engine::bind().await;
-    let bridge = Bridge::start(port, &[format!("--nats={}", nats.url())]);
+    let bridge = bridge(port, &[format!("--nats={}", nats.url())]);
     let tokens: Vec<u32> = (0..4 * BS).map(|i| 500 + i).collect();
     let chain = token_chain(M, BS, &tokens);
     let b = BS as usize;

@@ -73,8 +73,21 @@ async fn kvroute_beats_round_robin_on_the_same_workload() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn event_driven_routing_follows_engine_caches_and_restarts() {
+    follows_engine_caches_and_restarts(false).await;
+}
+
+/// The same with engines that speak vLLM's protocol (ZMQ, msgpack, hashes salted per
+/// process) through a `kvroute-sidecar bridge` beside each: routing must not be able to
+/// tell the difference.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_protocol_engines_behind_bridges_route_the_same() {
+    follows_engine_caches_and_restarts(true).await;
+}
+
+async fn follows_engine_caches_and_restarts(vllm_events: bool) {
     let stack = Stack::start(StackOpts {
         engine_args: engine_args(),
+        vllm_events,
         ..StackOpts::default()
     })
     .await
@@ -138,8 +151,22 @@ async fn event_driven_routing_follows_engine_caches_and_restarts() {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    if !gone && vllm_events {
+        for b in &stack.bridges {
+            eprintln!("BRIDGE {}\n{}", b.get("/metrics").await, b.log());
+        }
+        eprintln!("PODS {}", stack.api.get("/v1/pods").await.json);
+    }
     assert!(gone, "old blocks dropped after the engine's new epoch");
     assert_eq!(stack.api.metric("kvroute_engine_restarts_total").await, 1.0);
+    if vllm_events {
+        let m = stack.bridges[0].get("/metrics").await
+            + &stack.bridges[1].get("/metrics").await
+            + &stack.bridges[2].get("/metrics").await
+            + &stack.bridges[3].get("/metrics").await;
+        assert!(m.contains("kvroute_bridge_restarts_total 1"), "{m}");
+        assert!(!m.contains("kvroute_bridge_blocks_skipped_total{"), "{m}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
