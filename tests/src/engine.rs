@@ -158,7 +158,9 @@ impl Engine {
             epoch: self.epoch.lock().clone(),
             seq: self.seq.fetch_add(1, Ordering::Relaxed),
             ts: Some(unix_now()),
-            dump_url: None,
+            // Named in every batch, so a sidecar that never saw a registration (or lost
+            // it in a restart) can still resync this pod.
+            dump_url: Some(format!("http://{}/kvroute/dump", self.pod)),
             events,
         };
         let _ = self.events.send(b);

@@ -315,7 +315,7 @@ async fn lossy_event_streams_converge() {
 
 /// Kill the sidecar under load, restart it: no client request fails (fail-open), steering
 /// resumes, and the hit rate recovers as the new sidecar rebuilds its index from events
-/// and the engines' dumps.
+/// and the engines' dumps (named in their batches: nothing registers the pods again).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sidecar_killed_under_load_fails_open_and_recovers() {
     let mut stack = Stack::start(debug_opts()).await.expect("stack");
@@ -327,16 +327,8 @@ async fn sidecar_killed_under_load_fails_open_and_recovers() {
     let restart_at = load.now();
     stack.sidecar.restart().expect("restart");
     stack.api = Api::new(stack.sidecar.addr);
-    // A controller (or --pods) registers the pods again, with their dump URLs.
-    for e in &stack.engines {
-        stack
-            .api
-            .put(
-                &format!("/v1/pods/{}", e.addr),
-                json!({"model": "m", "dump_url": format!("http://{}/kvroute/dump", e.addr)}),
-            )
-            .await;
-    }
+    // No re-registration: the engines name their dumps in every event batch, so the new
+    // sidecar learns the pods from their next batches and resyncs each from its dump.
     tokio::time::sleep(Duration::from_millis(3000)).await;
     let rows = load.finish().await;
     let log = Log { rows };
