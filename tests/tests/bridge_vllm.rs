@@ -166,28 +166,18 @@ async fn vllm_events_reach_the_index_under_the_filters_hashes() {
     // lost (removals, maybe), so the next batch finds a gap: a new epoch, in which the
     // sidecar drops what it knew of the pod rather than keep stale blocks.
     engine.send(3, b"\xc1garbage".to_vec()).await;
-    let one: Vec<u32> = (0..BS).map(|i| 5 + i).collect();
-    let one_chain = token_chain(M, BS, &one);
-    engine
-        .send(
-            4,
-            batch_positional(vec![stored_positional(&[1], None, &one)]),
-        )
-        .await;
-    api.until_matched(M, &one_chain, BS, 1, "the batch after the gap")
-        .await;
-    assert_eq!(
-        api.matched(M, &chain, BS).await,
-        0,
-        "pre-gap blocks dropped"
-    );
-    let metrics = bridge.get("/metrics").await;
-    for want in [
-        "kvroute_bridge_bad_payloads_total 1",
-        "kvroute_bridge_gaps_total 1",
-    ] {
-        assert!(metrics.contains(want), "{want} in {metrics}");
-    }
+    let one_chain = unrecovered_gap(
+        &mut engine,
+        &api,
+        &bridge,
+        4,
+        &chain,
+        &[
+            "kvroute_bridge_bad_payloads_total 1",
+            "kvroute_bridge_gaps_total 1",
+        ],
+    )
+    .await;
 
     // The engine restarts (its sequence starts over): the pod's blocks go at once.
     let two: Vec<u32> = (0..BS).map(|i| 9 + i).collect();
@@ -283,28 +273,47 @@ async fn a_gap_is_filled_from_the_engines_replay_socket() {
         assert!(m.contains(want), "{want} in {m}");
     }
     // A gap the buffer no longer covers: a new epoch after all.
-    let other: Vec<u32> = (0..BS).map(|i| 7 + i).collect();
-    let other_chain = token_chain(M, BS, &other);
-    engine
-        .send(
-            9,
-            batch_positional(vec![stored_positional(&[99], None, &other)]),
-        )
-        .await;
-    api.until_matched(M, &other_chain, BS, 1, "the batch after the gap")
+    unrecovered_gap(
+        &mut engine,
+        &api,
+        &bridge,
+        9,
+        &chain,
+        &[
+            "kvroute_bridge_replay_failures_total 1",
+            "kvroute_bridge_gaps_total 1",
+        ],
+    )
+    .await;
+}
+
+/// Send batch `seq` (one fresh block) after a gap nothing filled: it must land in a new
+/// epoch, the blocks of `before` must be gone, and the bridge's metrics must show
+/// `metrics`. Returns the fresh block's chain.
+async fn unrecovered_gap(
+    engine: &mut Engine,
+    api: &Api,
+    bridge: &BridgeProc,
+    seq: u64,
+    before: &[u64],
+    metrics: &[&str],
+) -> Vec<u64> {
+    let toks: Vec<u32> = (0..BS).map(|i| 40_000 + 100 * seq as u32 + i).collect();
+    let fresh = token_chain(M, BS, &toks);
+    let b = batch_positional(vec![stored_positional(&[1000 + seq], None, &toks)]);
+    engine.send(seq, b).await;
+    api.until_matched(M, &fresh, BS, 1, "the batch after the gap")
         .await;
     assert_eq!(
-        api.matched(M, &chain, BS).await,
+        api.matched(M, before, BS).await,
         0,
         "pre-gap blocks dropped"
     );
     let m = bridge.get("/metrics").await;
-    for want in [
-        "kvroute_bridge_replay_failures_total 1",
-        "kvroute_bridge_gaps_total 1",
-    ] {
+    for want in metrics {
         assert!(m.contains(want), "{want} in {m}");
     }
+    fresh
 }
 
 /// The bridge advertises its dump in every batch: a gateway sidecar that restarts (and
