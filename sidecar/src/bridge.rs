@@ -74,6 +74,13 @@ pub struct BridgeArgs {
     /// the --listen port; empty: do not advertise.
     #[arg(long, env = "KVROUTE_BRIDGE_DUMP_URL")]
     pub dump_url: Option<String>,
+    /// The engine's Prometheus metrics, polled for its own load (requests running and
+    /// waiting, KV usage), published as `load` events. Default `http://<pod>/metrics`;
+    /// empty: do not poll.
+    #[arg(long, env = "KVROUTE_BRIDGE_ENGINE_METRICS")]
+    pub engine_metrics: Option<String>,
+    #[arg(long, env = "KVROUTE_BRIDGE_LOAD_INTERVAL_MS", default_value_t = 500)]
+    pub load_interval_ms: u64,
 }
 
 impl BridgeArgs {
@@ -98,6 +105,14 @@ impl BridgeArgs {
         Ok(())
     }
 
+    pub fn engine_metrics_url(&self) -> Option<String> {
+        match &self.engine_metrics {
+            Some(u) if u.is_empty() => None,
+            Some(u) => Some(u.clone()),
+            None => Some(format!("http://{}/metrics", self.pod)),
+        }
+    }
+
     pub fn advertised_dump_url(&self) -> Option<String> {
         match &self.dump_url {
             Some(u) if u.is_empty() => None,
@@ -118,6 +133,8 @@ struct Counters {
     send_failures: AtomicU64,
     replayed: AtomicU64,
     replay_failures: AtomicU64,
+    load_polls: AtomicU64,
+    load_poll_failures: AtomicU64,
 }
 
 struct Bridge {
@@ -142,6 +159,10 @@ pub async fn run(a: BridgeArgs) -> anyhow::Result<()> {
     let sink = EventSink::connect(a.nats.as_deref(), a.sidecars.clone()).await?;
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     tokio::spawn(publish(br.clone(), sink, rx));
+    if let Some(url) = a.engine_metrics_url() {
+        let every = Duration::from_millis(a.load_interval_ms.max(50));
+        tokio::spawn(poll_load(br.clone(), url, every, tx.clone()));
+    }
     tokio::spawn(receive(br.clone(), a.clone(), tx));
     let app = Router::new()
         .route("/dump", get(dump))
@@ -291,6 +312,33 @@ async fn replay(endpoint: &str, from: u64, until: u64) -> Option<Vec<(u64, Bytes
         .flatten()
 }
 
+/// The engine's own load, from its metrics endpoint, as `load` events: the router's
+/// projection then follows what the engine really runs and queues.
+async fn poll_load(br: Arc<Bridge>, url: String, every: Duration, tx: Out) {
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(1))
+        .build()
+        .unwrap_or_default();
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        br.n.load_polls.fetch_add(1, Ordering::Relaxed);
+        let text = match http.get(&url).send().await {
+            Ok(r) if r.status().is_success() => r.text().await.ok(),
+            _ => None,
+        };
+        let Some((running, waiting, usage)) = text.as_deref().and_then(vllm::engine_load) else {
+            br.n.load_poll_failures.fetch_add(1, Ordering::Relaxed);
+            continue;
+        };
+        let b = br.tr.lock().load(running, waiting, usage);
+        if tx.send(b).is_err() {
+            return;
+        }
+    }
+}
+
 async fn publish(
     br: Arc<Bridge>,
     sink: EventSink,
@@ -339,6 +387,16 @@ async fn metrics(State(br): State<Arc<Bridge>>) -> impl IntoResponse {
             "replay_failures",
             "Gaps the replay socket could not fill.",
             n(&br.n.replay_failures),
+        ),
+        (
+            "load_polls",
+            "Polls of the engine's metrics for its load.",
+            n(&br.n.load_polls),
+        ),
+        (
+            "load_poll_failures",
+            "Polls that got no load (unreachable, or no known metric).",
+            n(&br.n.load_poll_failures),
         ),
         (
             "batches_out",

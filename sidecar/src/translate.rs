@@ -195,19 +195,36 @@ impl Translator {
         if events.is_empty() && epoch == self.epochs {
             return None;
         }
+        Some(self.emit(b.ts, events))
+    }
+
+    /// The engine's own load (from its metrics endpoint), as a batch of this epoch.
+    pub fn load(&mut self, running: u32, waiting: u32, kv_usage: f64) -> EventBatch {
+        self.emit(
+            None,
+            vec![Event::Load {
+                running,
+                waiting,
+                kv_usage,
+                capacity_blocks: None,
+            }],
+        )
+    }
+
+    fn emit(&mut self, ts: Option<f64>, events: Vec<Event>) -> EventBatch {
         let seq = self.next_seq;
         self.next_seq += 1;
         self.stats.batches_out += 1;
-        Some(EventBatch {
+        EventBatch {
             v: EVENT_VERSION,
             pod: self.pod.clone(),
             model: self.model.clone(),
             epoch: self.epoch(),
             seq,
-            ts: b.ts,
+            ts,
             dump_url: self.dump_url.clone(),
             events,
-        })
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -327,18 +344,7 @@ impl Translator {
         self.known.clear();
         self.last_engine_seq = None;
         self.new_epoch();
-        self.stats.batches_out += 1;
-        self.next_seq = 1;
-        Some(EventBatch {
-            v: EVENT_VERSION,
-            pod: self.pod.clone(),
-            model: self.model.clone(),
-            epoch: self.epoch(),
-            seq: 0,
-            ts: None,
-            dump_url: self.dump_url.clone(),
-            events: vec![],
-        })
+        Some(self.emit(None, vec![]))
     }
 
     /// The engine's sequence number of the last batch taken in.

@@ -228,6 +228,47 @@ impl<'a> Fields<'a> {
     }
 }
 
+/// The engine's own load, read from its Prometheus `/metrics` text: requests running and
+/// waiting, and KV cache usage (0..1). vLLM (`vllm:num_requests_running`,
+/// `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` or the older
+/// `vllm:gpu_cache_usage_perc`) and SGLang (`sglang:num_running_reqs`,
+/// `sglang:num_queue_reqs`, `sglang:token_usage`); values of several label sets are summed
+/// (usage: the largest). `None` when the text names none of them.
+pub fn engine_load(metrics: &str) -> Option<(u32, u32, f64)> {
+    let (mut running, mut waiting, mut usage) = (None::<f64>, None::<f64>, None::<f64>);
+    for line in metrics.lines().filter(|l| !l.starts_with('#')) {
+        let Some((key, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let Ok(v) = value.trim().parse::<f64>() else {
+            continue;
+        };
+        if !v.is_finite() || v < 0.0 {
+            continue;
+        }
+        let name = key.split('{').next().unwrap_or(key).trim();
+        let slot = match name {
+            "vllm:num_requests_running" | "sglang:num_running_reqs" => &mut running,
+            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => &mut waiting,
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" | "sglang:token_usage" => {
+                usage = Some(usage.map_or(v, |u| u.max(v)));
+                continue;
+            }
+            _ => continue,
+        };
+        *slot = Some(slot.unwrap_or(0.0) + v);
+    }
+    if running.is_none() && waiting.is_none() && usage.is_none() {
+        return None;
+    }
+    let count = |x: Option<f64>| x.unwrap_or(0.0).min(u32::MAX as f64) as u32;
+    Some((
+        count(running),
+        count(waiting),
+        usage.unwrap_or(0.0).clamp(0.0, 1.0),
+    ))
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -343,6 +384,22 @@ pub(crate) mod tests {
                 group: Some(0),
             }]
         );
+    }
+
+    #[test]
+    fn engine_load_reads_vllm_and_sglang_metrics() {
+        let vllm = "# HELP vllm:num_requests_running Number of requests in model execution.\n\
+            # TYPE vllm:num_requests_running gauge\n\
+            vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 3.0\n\
+            vllm:num_requests_running{engine=\"1\",model_name=\"m\"} 2.0\n\
+            vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 1.0\n\
+            vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.41\n\
+            vllm:prompt_tokens_total{model_name=\"m\"} 1234.0\n";
+        assert_eq!(engine_load(vllm), Some((5, 1, 0.41)));
+        let sglang = "sglang:num_running_reqs{model_name=\"m\"} 7\nsglang:num_queue_reqs{model_name=\"m\"} 2\nsglang:token_usage{model_name=\"m\"} 1.7\n";
+        assert_eq!(engine_load(sglang), Some((7, 2, 1.0)));
+        assert_eq!(engine_load("up 1\nvllm:num_requests_running NaN\n"), None);
+        assert_eq!(engine_load("<html>not metrics</html>"), None);
     }
 
     #[test]

@@ -265,6 +265,7 @@ pub async fn run(args: EngineArgs) -> anyhow::Result<()> {
         .route("/kvroute/dump", get(dump))
         .route("/admin/restart", post(restart))
         .route("/admin/stats", get(stats))
+        .route("/metrics", get(metrics))
         .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
         .with_state(eng.clone());
     eprintln!("kvroute-engine-sim: listening on {addr}");
@@ -335,6 +336,22 @@ async fn load_reporter(eng: Arc<Engine>) {
             capacity_blocks: Some(eng.args.capacity_blocks as u64),
         }]);
     }
+}
+
+/// vLLM's own load gauges, in its Prometheus names (what `kvroute-sidecar bridge` polls).
+async fn metrics(State(eng): State<Arc<Engine>>) -> String {
+    let usage = {
+        let c = eng.cache.lock();
+        c.len() as f64 / c.capacity().max(1) as f64
+    };
+    let m = &eng.args.model;
+    format!(
+        "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name=\"{m}\"}} {}\n\
+         # TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{model_name=\"{m}\"}} {}\n\
+         # TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{model_name=\"{m}\"}} {usage}\n",
+        eng.running.load(Ordering::Relaxed),
+        eng.waiting.load(Ordering::Relaxed),
+    )
 }
 
 async fn models(State(eng): State<Arc<Engine>>) -> Json<Value> {

@@ -166,6 +166,14 @@ async fn follows_engine_caches_and_restarts(vllm_events: bool) {
             + &stack.bridges[3].get("/metrics").await;
         assert!(m.contains("kvroute_bridge_restarts_total 1"), "{m}");
         assert!(!m.contains("kvroute_bridge_blocks_skipped_total{"), "{m}");
+        // The bridges also poll the engines' metrics: their own load reaches the sidecar.
+        let pods = stack.api.get("/v1/pods").await.json;
+        let with_load = pods["pods"].as_array().map_or(0, |a| {
+            a.iter()
+                .filter(|p| p["load"]["engine_kv_usage"].is_number())
+                .count()
+        });
+        assert_eq!(with_load, 4, "{pods}");
     }
 }
 
