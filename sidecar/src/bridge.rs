@@ -7,9 +7,9 @@
 //! lives as long as its engine sees them all, translates once for every gateway replica,
 //! and can serve the engine's cache as a dump (`GET /dump`) when a sidecar resyncs.
 //!
-//! Three tasks, data flowing one way: ZMQ receive → translate (under a short lock
-//! shared with `/dump`) → an ordered channel → publish. A bad frame or payload is
-//! counted and skipped; the stream goes on.
+//! Data flows one way: ZMQ receive (and the engine-load poll) → translate (under a short
+//! lock shared with `/dump`) → a bounded, ordered queue → publish. A bad frame or payload
+//! is counted and skipped; the stream goes on.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -135,6 +135,7 @@ struct Counters {
     replay_failures: AtomicU64,
     load_polls: AtomicU64,
     load_poll_failures: AtomicU64,
+    queue_drops: AtomicU64,
 }
 
 struct Bridge {
@@ -157,7 +158,7 @@ pub async fn run(a: BridgeArgs) -> anyhow::Result<()> {
         n: Counters::default(),
     });
     let sink = EventSink::connect(a.nats.as_deref(), a.sidecars.clone()).await?;
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let (tx, rx) = tokio::sync::mpsc::channel(QUEUE);
     tokio::spawn(publish(br.clone(), sink, rx));
     if let Some(url) = a.engine_metrics_url() {
         let every = Duration::from_millis(a.load_interval_ms.max(50));
@@ -180,7 +181,24 @@ pub async fn run(a: BridgeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-type Out = tokio::sync::mpsc::UnboundedSender<kvroute_shared::protocol::EventBatch>;
+/// Batches waiting for the destinations. Bounded: with NATS or the sidecars away for
+/// long, the newest batches are dropped (counted) rather than memory growing; the
+/// sidecars then see a sequence gap and resync the pod from the dump.
+const QUEUE: usize = 8192;
+
+type Out = tokio::sync::mpsc::Sender<kvroute_shared::protocol::EventBatch>;
+
+/// Queue a batch; false when the publisher is gone.
+fn queue(br: &Bridge, tx: &Out, b: kvroute_shared::protocol::EventBatch) -> bool {
+    match tx.try_send(b) {
+        Ok(()) => true,
+        Err(tokio::sync::mpsc::error::TrySendError::Full(_)) => {
+            br.n.queue_drops.fetch_add(1, Ordering::Relaxed);
+            true
+        }
+        Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => false,
+    }
+}
 
 async fn receive(br: Arc<Bridge>, a: BridgeArgs, tx: Out) {
     let mut sock = zeromq::SubSocket::new();
@@ -206,7 +224,7 @@ async fn receive(br: Arc<Bridge>, a: BridgeArgs, tx: Out) {
                     let out = br.tr.lock().reconnected();
                     if let Some(b) = out {
                         tracing::info!("engine stream reconnected: new epoch {}", b.epoch);
-                        if tx.send(b).is_err() {
+                        if !queue(&br, &tx, b) {
                             return;
                         }
                     }
@@ -261,7 +279,7 @@ fn apply(br: &Bridge, seq: u64, payload: &[u8], tx: &Out) -> bool {
         }
     };
     let out = br.tr.lock().on_batch(seq, &batch);
-    out.is_none_or(|b| tx.send(b).is_ok())
+    out.is_none_or(|b| queue(br, tx, b))
 }
 
 /// Ask the engine to replay batches `from..until`; apply them if it still has them all
@@ -333,7 +351,7 @@ async fn poll_load(br: Arc<Bridge>, url: String, every: Duration, tx: Out) {
             continue;
         };
         let b = br.tr.lock().load(running, waiting, usage);
-        if tx.send(b).is_err() {
+        if !queue(&br, &tx, b) {
             return;
         }
     }
@@ -342,7 +360,7 @@ async fn poll_load(br: Arc<Bridge>, url: String, every: Duration, tx: Out) {
 async fn publish(
     br: Arc<Bridge>,
     sink: EventSink,
-    mut rx: tokio::sync::mpsc::UnboundedReceiver<kvroute_shared::protocol::EventBatch>,
+    mut rx: tokio::sync::mpsc::Receiver<kvroute_shared::protocol::EventBatch>,
 ) {
     while let Some(b) = rx.recv().await {
         let failed = sink.send(&b).await;
@@ -387,6 +405,11 @@ async fn metrics(State(br): State<Arc<Bridge>>) -> impl IntoResponse {
             "replay_failures",
             "Gaps the replay socket could not fill.",
             n(&br.n.replay_failures),
+        ),
+        (
+            "queue_drops",
+            "Batches dropped because the destinations fell behind (sidecars resync).",
+            n(&br.n.queue_drops),
         ),
         (
             "load_polls",
