@@ -3,7 +3,8 @@
 //! - `demo`: start the whole stack (NATS, sidecar, 4 engine sims, Envoy + filter, and a
 //!   plain round-robin Envoy), replay the workload through both, print the comparison,
 //!   write an SVG of the TTFT distributions; the last line is one JSON object.
-//! - `up`: start the stack and print what to `curl`, until Ctrl-C.
+//! - `up [--vllm-events]`: start the stack and print what to `curl`, until Ctrl-C; with
+//!   `--vllm-events` the engines publish as vLLM does and a bridge runs beside each.
 //! - `render-envoy`: print the shipped Envoy configuration (envoy/envoy.yaml).
 
 use std::io::Write as _;
@@ -37,7 +38,12 @@ enum Cmd {
         concurrency: usize,
     },
     /// Start the stack and keep it running.
-    Up,
+    Up {
+        /// Engines speak vLLM's event protocol (ZMQ), with a `kvroute-sidecar bridge`
+        /// beside each.
+        #[arg(long)]
+        vllm_events: bool,
+    },
 }
 
 fn engine_args() -> Vec<String> {
@@ -62,7 +68,7 @@ fn main() -> anyhow::Result<()> {
                 docs,
                 concurrency,
             } => run_demo(svg, users, docs, concurrency).await,
-            Cmd::Up => up().await,
+            Cmd::Up { vllm_events } => up(vllm_events).await,
             Cmd::RenderEnvoy => Ok(()),
         }
     })
@@ -143,9 +149,10 @@ async fn run_demo(
     Ok(())
 }
 
-async fn up() -> anyhow::Result<()> {
+async fn up(vllm_events: bool) -> anyhow::Result<()> {
     let stack = Stack::start(StackOpts {
         engine_args: engine_args(),
+        vllm_events,
         ..StackOpts::default()
     })
     .await?;
@@ -156,6 +163,9 @@ async fn up() -> anyhow::Result<()> {
     println!("  sidecar API:               http://{}", stack.sidecar.addr);
     for eng in &stack.engines {
         println!("  engine:                    http://{}", eng.addr);
+    }
+    for b in &stack.bridges {
+        println!("  bridge (dump, metrics):    http://{}", b.listen);
     }
     println!("\nTry:");
     println!("  curl -s {e}/v1/completions -H 'content-type: application/json' -d '{{\"model\":\"m\",\"prompt\":\"Hello, kvroute! Tell me about prefix caches.\",\"max_tokens\":8}}' -i | grep -i x-pod");
