@@ -157,7 +157,7 @@ async fn up(vllm_events: bool) -> anyhow::Result<()> {
     })
     .await?;
     let e = stack.envoy.url("");
-    println!("kvroute stack is up (Ctrl-C stops everything):");
+    println!("kvroute stack is up (Ctrl-C or SIGTERM stops everything):");
     println!("  gateway (Envoy + kvroute): {e}");
     println!("  plain round-robin Envoy:   {}", stack.plain.url(""));
     println!("  sidecar API:               http://{}", stack.sidecar.addr);
@@ -179,7 +179,13 @@ async fn up(vllm_events: bool) -> anyhow::Result<()> {
         stack.sidecar.addr
     );
     println!("  curl -s http://{}/v1/config", stack.sidecar.addr);
-    tokio::signal::ctrl_c().await?;
+    // Ctrl-C or SIGTERM (`timeout`, `kill`): either way the stack drops and takes every
+    // child process with it.
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r?,
+        _ = term.recv() => {}
+    }
     drop(stack);
     Ok(())
 }
