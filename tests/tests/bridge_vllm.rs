@@ -242,14 +242,7 @@ async fn a_gap_is_filled_from_the_engines_replay_socket() {
     let api = Api::new(sc.addr);
     let tokens: Vec<u32> = (0..4 * BS).map(|i| 3000 + i).collect();
     let chain = token_chain(M, BS, &tokens);
-    let b = BS as usize;
-    let block = |i: usize, parent: Option<u64>| {
-        batch_positional(vec![stored_positional(
-            &[i as u64 + 1],
-            parent,
-            &tokens[i * b..(i + 1) * b],
-        )])
-    };
+    let block = |i: usize, parent: Option<u64>| block_batch(&tokens, i, parent);
     // Batches 1 and 2 never reach the bridge; the engine still buffers them.
     let replay_port = serve_replay(vec![(1, block(1, Some(1))), (2, block(2, Some(2)))]).await;
     let (mut engine, port) = Engine::bind().await;
@@ -327,14 +320,7 @@ async fn a_restarted_sidecar_resyncs_from_the_bridges_dump() {
     let bridge = bridge(port, &[format!("--nats={}", nats.url())]);
     let tokens: Vec<u32> = (0..4 * BS).map(|i| 500 + i).collect();
     let chain = token_chain(M, BS, &tokens);
-    let b = BS as usize;
-    let block = |i: usize, parent: Option<u64>| {
-        batch_positional(vec![stored_positional(
-            &[i as u64 + 1],
-            parent,
-            &tokens[i * b..(i + 1) * b],
-        )])
-    };
+    let block = |i: usize, parent: Option<u64>| block_batch(&tokens, i, parent);
     let api = Api::new(sc.addr);
     until_subscribed(&api).await;
     for i in 0..3usize {
@@ -384,4 +370,14 @@ async fn until_subscribed(api: &Api) {
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     panic!("sidecar never connected to NATS");
+}
+
+/// A batch storing block `i` of `tokens` (engine hash `i + 1`) under `parent`.
+fn block_batch(tokens: &[u32], i: usize, parent: Option<u64>) -> Vec<u8> {
+    let b = BS as usize;
+    batch_positional(vec![stored_positional(
+        &[i as u64 + 1],
+        parent,
+        &tokens[i * b..(i + 1) * b],
+    )])
 }
