@@ -428,6 +428,8 @@ pub struct PolicyConfig {
     pub load_weight: f64,
     /// Cost per block of KV held by the pod's running decodes (they slow its prefills).
     pub decode_weight: f64,
+    /// Cost per request the engine reports waiting for a batch slot: only an overloaded
+    /// pod has any, and there a new request waits for decodes to finish, not for prefill.
     pub queue_weight: f64,
     /// Worth of a predicted (not engine-confirmed) hit relative to a confirmed one.
     pub predicted_weight: f64,
@@ -446,6 +448,17 @@ pub struct PolicyConfig {
     /// The same slack for the requests in flight that were routed by one prefix (the
     /// per-prefix bound that spreads a hot system prompt).
     pub prefix_balance_slack: f64,
+    /// Placing a cold prefix (no pod holds more of the prompt than the prefix credited to
+    /// every pod): cost per block of prompt routed to the pod recently. The traffic a pod
+    /// drew lately is what its cached prefixes will keep drawing, so new homes go where
+    /// that is least; requests that have a home ignore it and stay with their cache.
+    pub home_weight: f64,
+    /// Time constant of that recent count, seconds (exponential decay).
+    pub home_window_s: f64,
+    /// A routing prefix with at least this many requests in flight per candidate pod is
+    /// credited to every pod (0 = never): it is hot enough to be needed everywhere, so
+    /// its first holders must not draw all of its new conversations.
+    pub hot_prefix_per_pod: f64,
     /// 0 = argmin; > 0 samples from softmax(−cost / temperature).
     pub temperature: f64,
     /// Carry the per-pod breakdown in route answers (leaks cache state: off by default).
@@ -472,8 +485,8 @@ impl Default for PolicyConfig {
             default_model: ModelConfig::default(),
             prefill_weight: 1.0,
             load_weight: 1.0,
-            decode_weight: 0.05,
-            queue_weight: 0.0,
+            decode_weight: 0.01,
+            queue_weight: 50.0,
             predicted_weight: 0.7,
             prefill_tokens_per_s: 10_000.0,
             tier_cost: BTreeMap::from([
@@ -484,8 +497,11 @@ impl Default for PolicyConfig {
             ]),
             stale_factor: 0.5,
             balance_epsilon: 0.25,
-            balance_slack: 6.0,
+            balance_slack: 10.0,
             prefix_balance_slack: 4.0,
+            home_weight: 0.1,
+            home_window_s: 10.0,
+            hot_prefix_per_pod: 1.0,
             temperature: 0.0,
             explain: false,
             predicted_ttl_s: 120,
@@ -515,6 +531,8 @@ impl PolicyConfig {
         finite_nonneg("balance_epsilon", self.balance_epsilon);
         finite_nonneg("balance_slack", self.balance_slack);
         finite_nonneg("prefix_balance_slack", self.prefix_balance_slack);
+        finite_nonneg("home_weight", self.home_weight);
+        finite_nonneg("hot_prefix_per_pod", self.hot_prefix_per_pod);
         finite_nonneg("temperature", self.temperature);
         for (tier, c) in &self.tier_cost {
             if !(0.0..=1.0).contains(c) {
@@ -523,6 +541,12 @@ impl PolicyConfig {
                     tier.as_str()
                 ));
             }
+        }
+        if !(self.home_window_s.is_finite() && self.home_window_s >= 0.001) {
+            errs.push(format!(
+                "home_window_s must be >= 0.001 (got {})",
+                self.home_window_s
+            ));
         }
         if !(self.prefill_tokens_per_s.is_finite() && self.prefill_tokens_per_s >= 1.0) {
             errs.push(format!(

@@ -200,7 +200,7 @@ fn pod_json(sc: &Sidecar, p: &crate::pods::Pod, now: std::time::Instant) -> serd
         .indexes
         .get(&p.reg.model)
         .and_then(|ix| ix.handle(&p.id).map(|h| ix.pod_blocks(h)));
-    let load = p.load_view(now, sc.config().prefill_tokens_per_s);
+    let load = p.load_view(now, &sc.config());
     json!({
         "pod": &*p.id, "model": p.reg.model, "role": p.reg.role, "adapters": p.reg.adapters,
         "labels": p.reg.labels, "capacity_blocks": p.reg.capacity_blocks, "dump_url": p.reg.dump_url,
@@ -211,6 +211,7 @@ fn pod_json(sc: &Sidecar, p: &crate::pods::Pod, now: std::time::Instant) -> serd
         "breaker_open": p.breaker_open(now),
         "load": {"pending_prefill_tokens": load.pending_prefill_tokens, "decode_blocks": load.decode_blocks,
                   "inflight": load.inflight, "queued": load.queued,
+                  "recent_blocks": (load.recent_blocks * 10.0).round() / 10.0,
                   "engine_kv_usage": p.engine.map(|e| e.kv_usage)},
     })
 }

@@ -10,9 +10,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvroute_shared::protocol::{PodRegistration, Role};
+use kvroute_shared::protocol::{PodRegistration, PolicyConfig, Role};
 
-use crate::policy::{LoadView, PrefillHorizon};
+use crate::policy::{LoadView, PrefillHorizon, RecentWork};
 
 /// The engine's own last load report.
 #[derive(Clone, Copy, Debug)]
@@ -30,6 +30,8 @@ pub struct Projected {
     pub horizon: PrefillHorizon,
     pub decode_blocks: u64,
     pub inflight: u32,
+    /// Prompt blocks routed here lately, by this replica and the others.
+    pub recent: RecentWork,
 }
 
 /// Seconds on a process-wide monotonic clock, the time base of [`PrefillHorizon`].
@@ -89,14 +91,18 @@ impl Pod {
 
     /// The load the policy sees: the router's projection, raised to the engine's own
     /// count when that is fresh and larger (other gateways route to this pod too).
-    pub fn load_view(&self, now: Instant, prefill_tps: f64) -> LoadView {
+    pub fn load_view(&self, now: Instant, cfg: &PolicyConfig) -> LoadView {
         let mut v = LoadView {
-            pending_prefill_tokens: self.projected.horizon.pending(clock(now), prefill_tps),
+            pending_prefill_tokens: self
+                .projected
+                .horizon
+                .pending(clock(now), cfg.prefill_tokens_per_s),
             decode_blocks: self.projected.decode_blocks
                 + self.remote.values().map(|r| r.2).sum::<u64>(),
             inflight: self.projected.inflight + self.remote.len() as u32,
             queued: 0,
             prefix_inflight: 0,
+            recent_blocks: self.projected.recent.value(clock(now), cfg.home_window_s),
         };
         if let Some(e) = self.engine {
             if now.duration_since(e.at).as_secs_f64() < ENGINE_LOAD_FRESH_S {

@@ -8,12 +8,14 @@
 //!   prefill: its own uncached blocks plus the prefill already queued there, plus a
 //!   decode term. A hit counts fully when engine-confirmed, at `predicted_weight` when
 //!   only predicted, at `1 − tier_cost` when the block is off GPU, and a pod with an event
-//!   gap has its hits scaled by `stale_factor`.
-//! - **Pick** ([`pick`]): lowest cost among pods that pass the bounded-load guard (no pod
-//!   above (1 + ε) × the mean in-flight count), so a shared system prompt cannot pin all
-//!   traffic to one pod; ties go to the rendezvous hash of the chain's first block, so
-//!   independent replicas send a cold prefix to the same pod; with a temperature, a
-//!   softmax sample instead of the argmin.
+//!   gap has its hits scaled by `stale_factor`. A prefix that is common (on most pods) or
+//!   hot (many requests in flight) is credited to every pod; a request that no pod holds
+//!   more of than that is *cold*, and choosing its home also weighs the work each pod
+//!   drew lately ([`RecentWork`]).
+//! - **Pick** ([`pick`]): lowest cost among pods within the bounded load, per pod and per
+//!   routing prefix, so a shared system prompt cannot pin all traffic to one pod; ties go
+//!   to the rendezvous hash of the first block no pod holds, so independent replicas agree;
+//!   with a temperature, a softmax sample instead of the argmin.
 
 use kvroute_shared::protocol::{PolicyConfig, Role, Tier, TierHint};
 
@@ -31,6 +33,8 @@ pub struct LoadView {
     /// Requests in flight on this pod that were routed by the same cached prefix as this
     /// one (the deepest prefix any pod holds); see [`pick`].
     pub prefix_inflight: u32,
+    /// Prompt blocks routed to the pod lately (see [`RecentWork`]).
+    pub recent_blocks: f64,
 }
 
 /// When a pod's queued prefills should be done: prefills run one at a time, so each
@@ -57,6 +61,27 @@ impl PrefillHorizon {
     /// A request ended (report): whatever of its prefill is still counted goes.
     pub fn release(&mut self, now: f64, tokens: u64, tps: f64) {
         self.until = (self.until - tokens as f64 / tps.max(1.0)).max(now.min(self.until));
+    }
+}
+
+/// The prompt blocks routed to a pod lately, decayed exponentially. In-flight counts
+/// only see the requests running now; a pod whose cached prefixes drew much traffic in
+/// the last seconds will keep drawing it, which is what a new prefix's home should avoid.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RecentWork {
+    blocks: f64,
+    /// Seconds (on the caller's clock) of the last update.
+    at: f64,
+}
+
+impl RecentWork {
+    pub fn add(&mut self, now: f64, blocks: u64, window_s: f64) {
+        self.blocks = self.value(now, window_s) + blocks as f64;
+        self.at = self.at.max(now);
+    }
+
+    pub fn value(&self, now: f64, window_s: f64) -> f64 {
+        self.blocks * (-(now - self.at).max(0.0) / window_s.max(1e-3)).exp()
     }
 }
 
@@ -121,7 +146,9 @@ pub fn hits(cfg: &PolicyConfig, c: &Candidate) -> f64 {
     h.max(0.0)
 }
 
-pub fn cost(cfg: &PolicyConfig, ask: &Ask, c: &Candidate, shared: f64) -> Score {
+/// `shared`: hits credited to every candidate; `cold`: no candidate holds more, so this
+/// places a new home and the pods' recent work counts.
+pub fn cost(cfg: &PolicyConfig, ask: &Ask, c: &Candidate, shared: f64, cold: bool) -> Score {
     let hits = if ask.load_only {
         0.0
     } else {
@@ -139,7 +166,12 @@ pub fn cost(cfg: &PolicyConfig, ask: &Ask, c: &Candidate, shared: f64) -> Score 
     let cost = prefill_w * uncached
         + cfg.load_weight * queued_prefill
         + cfg.decode_weight * decode
-        + cfg.queue_weight * c.load.queued as f64;
+        + cfg.queue_weight * c.load.queued as f64
+        + if cold {
+            cfg.home_weight * c.load.recent_blocks
+        } else {
+            0.0
+        };
     Score {
         hits,
         uncached,
@@ -212,12 +244,20 @@ pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Rankin
     let pcap = ((1.0 + cfg.balance_epsilon) * pmean)
         .ceil()
         .max(pmean.ceil() + cfg.prefix_balance_slack) as u64;
+    // A routing prefix this busy will be needed on every pod: credit it to all, so that
+    // its new conversations spread by load rather than pile onto its first holders (who
+    // would keep them, and their later turns, for good).
+    let deepest = cands.iter().map(|c| hits(cfg, c)).fold(0.0, f64::max);
+    let hot = cfg.hot_prefix_per_pod > 0.0
+        && ptotal as f64 >= cfg.hot_prefix_per_pod * cands.len() as f64;
+    let shared = if hot { deepest } else { shared };
+    let cold = !ask.load_only && deepest < shared + 1.0;
     let mut order: Vec<(usize, Score, bool)> = cands
         .iter()
         .enumerate()
         .map(|(i, c)| {
             let ok = (c.load.inflight as u64) < cap && (c.load.prefix_inflight as u64) < pcap;
-            (i, cost(cfg, ask, c, shared), ok)
+            (i, cost(cfg, ask, c, shared, cold), ok)
         })
         .collect();
     order.sort_by(|a, b| {
@@ -313,6 +353,7 @@ mod tests {
                 inflight,
                 queued: 0,
                 prefix_inflight: 0,
+                recent_blocks: 0.0,
             },
         }
     }
@@ -376,9 +417,10 @@ mod tests {
     #[test]
     fn bounded_load_breaks_hot_spots() {
         let cfg = PolicyConfig::default();
-        // Everyone shares the prefix; pod 0 holds it and already has far more in flight.
+        // Everyone shares the prefix; pod 0 holds it and already has far more in flight
+        // (16 against a mean of 4.75: above the mean plus the slack of 10).
         let c = [
-            cand(0, 64, 12, 0),
+            cand(0, 64, 16, 0),
             cand(1, 0, 1, 0),
             cand(2, 0, 1, 0),
             cand(3, 0, 1, 0),
@@ -397,14 +439,100 @@ mod tests {
         };
         let c = [hot(0, 9, 9), hot(1, 6, 1), hot(2, 6, 1), hot(3, 6, 1)];
         let r = pick(&cfg, &ask(64), &c).expect("pick");
-        assert!(
-            !r.order[0].2 && r.order[r.pick].0 != 0,
-            "the prefix spreads"
-        );
+        let pod0 = r.order.iter().find(|o| o.0 == 0).expect("pod 0");
+        assert!(!pod0.2 && r.order[r.pick].0 != 0, "the prefix spreads");
         // The same pod load from other prefixes: the holder keeps the request.
         let c = [hot(0, 9, 1), hot(1, 6, 0), hot(2, 6, 0), hot(3, 6, 0)];
         let r = pick(&cfg, &ask(64), &c).expect("pick");
         assert_eq!(r.order[r.pick].0, 0);
+    }
+
+    #[test]
+    fn a_hot_prefix_spreads_its_new_conversations() {
+        let cfg = PolicyConfig::default();
+        // A 60-block system prompt on pods 0 and 1 only; each has 3 of its requests in flight.
+        let holder = |id| Candidate {
+            load: LoadView {
+                prefix_inflight: 3,
+                decode_blocks: 190,
+                ..cand(id, 60, 3, 0).load
+            },
+            ..cand(id, 60, 3, 0)
+        };
+        let c = [holder(0), holder(1), cand(2, 0, 0, 0), cand(3, 0, 0, 0)];
+        // 6 in flight over 4 pods is above one per pod: hot, credited to all, an idle pod wins.
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert!(r.order[r.pick].0 >= 2, "{r:?}");
+        // The same prefix with one request in flight: not hot, the holders keep it.
+        let quiet = |id| Candidate {
+            load: LoadView {
+                prefix_inflight: u32::from(id == 0),
+                ..holder(id).load
+            },
+            ..holder(id)
+        };
+        let c = [quiet(0), quiet(1), cand(2, 0, 0, 0), cand(3, 0, 0, 0)];
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert!(r.order[r.pick].0 < 2, "{r:?}");
+        // Switched off.
+        let off = PolicyConfig {
+            hot_prefix_per_pod: 0.0,
+            ..PolicyConfig::default()
+        };
+        let c = [holder(0), holder(1), cand(2, 0, 0, 0), cand(3, 0, 0, 0)];
+        let r = pick(&off, &ask(64), &c).expect("pick");
+        assert!(r.order[r.pick].0 < 2, "{r:?}");
+    }
+
+    #[test]
+    fn a_cold_prefix_gets_the_home_with_least_recent_work() {
+        let cfg = PolicyConfig::default();
+        let busy_lately = |id, recent| Candidate {
+            load: LoadView {
+                recent_blocks: recent,
+                ..cand(id, 0, 1, 0).load
+            },
+            ..cand(id, 0, 1, 0)
+        };
+        // Nobody holds the prompt: the pod that drew the least work lately is its home,
+        // whatever the tie hash says.
+        let c = [
+            busy_lately(0, 900.0),
+            busy_lately(1, 300.0),
+            busy_lately(2, 600.0),
+        ];
+        for tie in 0..20 {
+            let r = pick(
+                &cfg,
+                &Ask {
+                    tie_key: tie,
+                    ..ask(64)
+                },
+                &c,
+            )
+            .expect("pick");
+            assert_eq!(r.order[r.pick].0, 1);
+        }
+        // A prompt that has a home stays there: recent work is not a cost then.
+        let c = [
+            Candidate {
+                matched: 40,
+                ..busy_lately(0, 900.0)
+            },
+            busy_lately(1, 300.0),
+            busy_lately(2, 600.0),
+        ];
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert_eq!(r.order[r.pick].0, 0);
+        // The decayed count itself.
+        let mut w = RecentWork::default();
+        w.add(0.0, 100, 10.0);
+        w.add(10.0, 100, 10.0);
+        assert!((w.value(10.0, 10.0) - (100.0 / std::f64::consts::E + 100.0)).abs() < 1e-9);
+        assert!(
+            w.value(5.0, 10.0) <= w.value(10.0, 10.0),
+            "no growth backwards"
+        );
     }
 
     #[test]
@@ -453,7 +581,8 @@ mod tests {
                     ..ask(64)
                 },
                 &c,
-                0.0
+                0.0,
+                false
             )
             .cost,
             0.0

@@ -162,7 +162,7 @@ fn route_inner(sc: &Sidecar, req: &RouteRequest) -> Result<RouteResponse, RouteE
                         stale: p.stale,
                         load: crate::policy::LoadView {
                             prefix_inflight: prefix_load.get(id).copied().unwrap_or(0),
-                            ..p.load_view(now, cfg.prefill_tokens_per_s)
+                            ..p.load_view(now, &cfg)
                         },
                     },
                     id.clone(),
@@ -244,6 +244,9 @@ fn route_inner(sc: &Sidecar, req: &RouteRequest) -> Result<RouteResponse, RouteE
         if let Some(p) = pods.get_mut(&winner) {
             p.projected.decode_blocks += blocks;
             p.projected.inflight += 1;
+            p.projected
+                .recent
+                .add(crate::pods::clock(now), blocks, cfg.home_window_s);
         }
     }
     drop(pods);
@@ -267,7 +270,8 @@ fn route_inner(sc: &Sidecar, req: &RouteRequest) -> Result<RouteResponse, RouteE
             "pod": &*cands[*i].1, "matched": cands[*i].0.matched, "predicted": cands[*i].0.predicted,
             "stale": cands[*i].0.stale, "hits": round3(s.hits), "uncached": round3(s.uncached),
             "queued_prefill_blocks": round3(s.queued_prefill), "decode_blocks": s.decode,
-            "inflight": cands[*i].0.load.inflight, "within_balance": ok, "cost": round3(s.cost),
+            "inflight": cands[*i].0.load.inflight, "recent_blocks": round3(cands[*i].0.load.recent_blocks),
+            "within_balance": ok, "cost": round3(s.cost),
         })).collect::<Vec<_>>())
     });
 

@@ -298,7 +298,8 @@ impl Sidecar {
             return;
         }
         let now = Instant::now();
-        let tps = self.config().prefill_tokens_per_s;
+        let cfg = self.config();
+        let tps = cfg.prefill_tokens_per_s;
         let mut pods = self.pods.lock();
         let Some(p) = pods.get_mut(l.pod.as_str()) else {
             return;
@@ -312,6 +313,9 @@ impl Sidecar {
                 if let Some(k) = l.prefix {
                     self.prefix_add(k, &p.id);
                 }
+                p.projected
+                    .recent
+                    .add(crate::pods::clock(now), l.blocks, cfg.home_window_s);
                 p.remote
                     .insert(key, (now, l.prefill_tokens, l.blocks, l.prefix));
             }

@@ -138,6 +138,7 @@ struct Pod {
     /// Router's projection (released at completion, like the sidecar).
     proj: LoadView,
     horizon: policy::PrefillHorizon,
+    recent: policy::RecentWork,
     assigned: u64,
 }
 
@@ -179,6 +180,7 @@ impl Sim<'_> {
             .pending(now, self.o.config.prefill_tokens_per_s);
         // What the engine's `load` events report.
         v.queued = self.pods[k].waiting.len() as u32;
+        v.recent_blocks = self.pods[k].recent.value(now, self.o.config.home_window_s);
         v
     }
 
@@ -368,6 +370,8 @@ impl Sim<'_> {
                     pod.proj.pending_prefill_tokens += pt;
                     pod.horizon.add(now, pt, self.o.config.prefill_tokens_per_s);
                     pod.proj.decode_blocks += r.chain.len() as u64;
+                    pod.recent
+                        .add(now, r.chain.len() as u64, self.o.config.home_window_s);
                     pod.proj.inflight += 1;
                     pod.assigned += 1;
                     pod.waiting.push_back(i);
@@ -439,6 +443,7 @@ pub fn simulate(reqs: &[Request], o: &SimOpts, p: Policy) -> SimResult {
                 running: 0,
                 proj: LoadView::default(),
                 horizon: policy::PrefillHorizon::default(),
+                recent: policy::RecentWork::default(),
                 assigned: 0,
             })
             .collect(),
@@ -648,7 +653,7 @@ pub fn compare(label: &str, reqs: &[Request], o: &SimOpts, policies: &[Policy]) 
     );
     for r in &results {
         println!(
-            "  {:<16} {:>8.3} {:>9.0}ms {:>8.0}ms {:>8.0}ms {:>9.0}ms {:>8.0}ms {:>9.2} {:>9.2}",
+            "  {:<16} {:>8.3} {:>9.1}ms {:>8.0}ms {:>8.0}ms {:>9.0}ms {:>8.0}ms {:>9.2} {:>9.2}",
             r.policy,
             r.hit_rate,
             r.ttft_mean_ms,

@@ -1,6 +1,7 @@
 //! The routing-quality guard: on every built-in workload (and the Mooncake trace), the
-//! default kvroute policy must not be worse than round-robin on mean and p99 TTFT, and
-//! must keep max/mean pod load within bounds. Deterministic (virtual time, seeded).
+//! default kvroute policy must not be worse than round-robin on mean and p99 TTFT, must
+//! keep max/mean pod load within bounds, and, averaged over four seeds, must have the
+//! lowest mean TTFT of all nine policies. Deterministic (virtual time, seeded).
 
 use kvroute_shared::protocol::PolicyConfig;
 use kvroute_tests::sim::{self, Policy, SimOpts};
@@ -80,6 +81,49 @@ fn default_policy_keeps_p99_on_the_floor_of_the_group_workloads() {
                 "{w} seed {seed}: p99 {} ms above the floor {} ms",
                 kv.ttft_p99_ms,
                 bound.ttft_p99_ms
+            );
+        }
+    }
+}
+
+/// The goal, held over seeds 1–4 (one seed is a handful of placement decisions
+/// away from another: docs/policy.md, finding 9): on every built-in workload the default
+/// policy's mean TTFT is the lowest of all nine policies and its p99 the lowest on every
+/// seed. The thinnest margin is multiround-qa, where session affinity is itself at the
+/// floor plus the per-pod system-prompt prefills every policy pays.
+#[test]
+fn default_policy_has_the_lowest_mean_ttft_over_four_seeds() {
+    for w in sim::WORKLOADS {
+        let mut mean = vec![0.0; Policy::ALL.len()];
+        for seed in 1..=4 {
+            let reqs = sim::generated(w, 16, sim::default_rate(w), seed).expect("workload");
+            let o = SimOpts {
+                seed,
+                ..opts(16, 16384)
+            };
+            let r: Vec<_> = Policy::ALL
+                .iter()
+                .map(|&p| sim::simulate(&reqs, &o, p))
+                .collect();
+            let best_p99 = r[1..]
+                .iter()
+                .map(|x| x.ttft_p99_ms)
+                .fold(f64::MAX, f64::min);
+            assert!(
+                r[0].ttft_p99_ms <= best_p99 * 1.001,
+                "{w} seed {seed}: p99 {} ms > best baseline's {best_p99} ms",
+                r[0].ttft_p99_ms
+            );
+            for (m, x) in mean.iter_mut().zip(&r) {
+                *m += x.ttft_mean_ms / 4.0;
+            }
+        }
+        for (p, m) in Policy::ALL.iter().zip(&mean).skip(1) {
+            assert!(
+                mean[0] < *m,
+                "{w}: kvroute's mean TTFT over seeds 1-4 {:.2} ms >= {}'s {m:.2} ms",
+                mean[0],
+                p.name()
             );
         }
     }
