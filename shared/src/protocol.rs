@@ -428,8 +428,7 @@ pub struct PolicyConfig {
     pub load_weight: f64,
     /// Cost per block of KV held by the pod's running decodes (they slow its prefills).
     pub decode_weight: f64,
-    /// Cost per request the engine reports waiting for a batch slot: only an overloaded
-    /// pod has any, and there a new request waits for decodes to finish, not for prefill.
+    /// Cost per request the engine reports waiting for a batch slot.
     pub queue_weight: f64,
     /// Worth of a predicted (not engine-confirmed) hit relative to a confirmed one.
     pub predicted_weight: f64,
@@ -459,6 +458,10 @@ pub struct PolicyConfig {
     /// credited to every pod (0 = never): it is hot enough to be needed everywhere, so
     /// its first holders must not draw all of its new conversations.
     pub hot_prefix_per_pod: f64,
+    /// A pod whose engine reports requests waiting for a batch slot is outside the
+    /// bounded-load guard while any candidate has none: there a new request would wait
+    /// for decodes to finish, which no cache hit repays.
+    pub full_batch_guard: bool,
     /// 0 = argmin; > 0 samples from softmax(−cost / temperature).
     pub temperature: f64,
     /// Carry the per-pod breakdown in route answers (leaks cache state: off by default).
@@ -486,7 +489,7 @@ impl Default for PolicyConfig {
             prefill_weight: 1.0,
             load_weight: 1.0,
             decode_weight: 0.01,
-            queue_weight: 50.0,
+            queue_weight: 0.0,
             predicted_weight: 0.7,
             prefill_tokens_per_s: 10_000.0,
             tier_cost: BTreeMap::from([
@@ -502,6 +505,7 @@ impl Default for PolicyConfig {
             home_weight: 0.1,
             home_window_s: 10.0,
             hot_prefix_per_pod: 1.0,
+            full_batch_guard: true,
             temperature: 0.0,
             explain: false,
             predicted_ttl_s: 120,

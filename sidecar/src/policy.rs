@@ -13,7 +13,8 @@
 //!   more of than that is *cold*, and choosing its home also weighs the work each pod
 //!   drew lately ([`RecentWork`]).
 //! - **Pick** ([`pick`]): lowest cost among pods within the bounded load, per pod and per
-//!   routing prefix, so a shared system prompt cannot pin all traffic to one pod; ties go
+//!   routing prefix, so a shared system prompt cannot pin all traffic to one pod, and
+//!   among pods whose engines report no request waiting for a batch slot; ties go
 //!   to the rendezvous hash of the first block no pod holds, so independent replicas agree;
 //!   with a temperature, a softmax sample instead of the argmin.
 
@@ -248,6 +249,10 @@ pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Rankin
     // its new conversations spread by load rather than pile onto its first holders (who
     // would keep them, and their later turns, for good).
     let deepest = cands.iter().map(|c| hits(cfg, c)).fold(0.0, f64::max);
+    // A pod whose engine has requests waiting for a batch slot makes a new one wait for
+    // decodes to finish, which no cache hit repays; the slack above cannot see that (a
+    // batch fills at a few requests per pod with long outputs, well within the slack).
+    let full_batch = cfg.full_batch_guard && cands.iter().any(|c| c.load.queued == 0);
     let hot = cfg.hot_prefix_per_pod > 0.0
         && ptotal as f64 >= cfg.hot_prefix_per_pod * cands.len() as f64;
     let shared = if hot { deepest } else { shared };
@@ -256,7 +261,9 @@ pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Rankin
         .iter()
         .enumerate()
         .map(|(i, c)| {
-            let ok = (c.load.inflight as u64) < cap && (c.load.prefix_inflight as u64) < pcap;
+            let ok = (c.load.inflight as u64) < cap
+                && (c.load.prefix_inflight as u64) < pcap
+                && !(full_batch && c.load.queued > 0);
             (i, cost(cfg, ask, c, shared, cold), ok)
         })
         .collect();
@@ -444,6 +451,35 @@ mod tests {
         // The same pod load from other prefixes: the holder keeps the request.
         let c = [hot(0, 9, 1), hot(1, 6, 0), hot(2, 6, 0), hot(3, 6, 0)];
         let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert_eq!(r.order[r.pick].0, 0);
+    }
+
+    #[test]
+    fn a_full_batch_is_avoided_while_another_pod_has_room() {
+        let cfg = PolicyConfig::default();
+        let waiting = |id, matched, queued| Candidate {
+            load: LoadView {
+                queued,
+                ..cand(id, matched, 4, 0).load
+            },
+            ..cand(id, matched, 4, 0)
+        };
+        // The holder's engine reports 2 requests waiting for a batch slot: a cold pod with
+        // room wins although the holder is far cheaper by cache.
+        let c = [waiting(0, 60, 2), waiting(1, 0, 0)];
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert_eq!(r.order[r.pick].0, 1);
+        // Every batch full: the guard steps aside and the cache decides again.
+        let c = [waiting(0, 60, 2), waiting(1, 0, 1)];
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert_eq!(r.order[r.pick].0, 0);
+        // Switched off.
+        let off = PolicyConfig {
+            full_batch_guard: false,
+            ..PolicyConfig::default()
+        };
+        let c = [waiting(0, 60, 2), waiting(1, 0, 0)];
+        let r = pick(&off, &ask(64), &c).expect("pick");
         assert_eq!(r.order[r.pick].0, 0);
     }
 
