@@ -234,19 +234,21 @@ fn route_inner(sc: &Sidecar, req: &RouteRequest) -> Result<RouteResponse, RouteE
     let predicted_mode =
         req.mode == Mode::Text || pods.get(&cache_pod_id).is_some_and(|p| !p.events_seen);
     if !req.dry_run {
+        // The prompt's home is where it is prefilled and cached (the prefill pod of a
+        // disaggregated model); the decode pod holds the running request.
         if let Some(p) = pods.get_mut(&cache_pod_id) {
             p.projected.horizon.add(
                 crate::pods::clock(now),
                 prefill_tokens,
                 cfg.prefill_tokens_per_s,
             );
+            p.projected
+                .recent
+                .add(crate::pods::clock(now), blocks, cfg.home_window_s);
         }
         if let Some(p) = pods.get_mut(&winner) {
             p.projected.decode_blocks += blocks;
             p.projected.inflight += 1;
-            p.projected
-                .recent
-                .add(crate::pods::clock(now), blocks, cfg.home_window_s);
         }
     }
     drop(pods);
@@ -436,6 +438,46 @@ pub fn report(sc: &Sidecar, r: &CompletionReport) {
 mod tests {
     use super::*;
     use kvroute_shared::protocol::{PodRegistration, PolicyConfig};
+
+    #[test]
+    fn cold_prompts_find_homes_by_recent_work_after_their_load_is_gone() {
+        let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+        for p in 0..4 {
+            let reg: PodRegistration =
+                serde_json::from_value(serde_json::json!({"model": "m"})).expect("reg");
+            sc.register(&format!("10.0.0.{p}:8000"), reg)
+                .expect("register");
+        }
+        // Each prompt is done (reported) before the next arrives, so in-flight load and
+        // queued prefill say nothing; only the work each pod drew lately tells them apart.
+        let mut homes = std::collections::HashSet::new();
+        for i in 0..4u64 {
+            let req = RouteRequest {
+                model: "m".into(),
+                adapter: String::new(),
+                mode: Mode::Tokens,
+                block_size: 16,
+                chain: (0..8).map(|b| 1000 * (i + 1) + b).collect(),
+                prompt_tokens: 8 * 16,
+                request_id: Some(format!("c{i}")),
+                session: None,
+                role: None,
+                dry_run: false,
+            };
+            let d = route(&sc, &req).expect("route");
+            report(
+                &sc,
+                &CompletionReport {
+                    request_id: format!("c{i}"),
+                    pod: d.pod.clone(),
+                    status: 200,
+                    ..Default::default()
+                },
+            );
+            homes.insert(d.pod);
+        }
+        assert_eq!(homes.len(), 4, "{homes:?}");
+    }
 
     #[test]
     fn prefix_load_follows_decisions_and_is_released() {
