@@ -249,14 +249,15 @@ pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Rankin
     // its new conversations spread by load rather than pile onto its first holders (who
     // would keep them, and their later turns, for good).
     let deepest = cands.iter().map(|c| hits(cfg, c)).fold(0.0, f64::max);
+    let hot = cfg.hot_prefix_per_pod > 0.0
+        && ptotal as f64 >= cfg.hot_prefix_per_pod * cands.len() as f64;
+    let shared = if hot { deepest } else { shared };
+    // Nobody holds more than what is credited to all: the request is choosing a home.
+    let cold = !ask.load_only && deepest < shared + 1.0;
     // A pod whose engine has requests waiting for a batch slot makes a new one wait for
     // decodes to finish, which no cache hit repays; the slack above cannot see that (a
     // batch fills at a few requests per pod with long outputs, well within the slack).
     let full_batch = cfg.full_batch_guard && cands.iter().any(|c| c.load.queued == 0);
-    let hot = cfg.hot_prefix_per_pod > 0.0
-        && ptotal as f64 >= cfg.hot_prefix_per_pod * cands.len() as f64;
-    let shared = if hot { deepest } else { shared };
-    let cold = !ask.load_only && deepest < shared + 1.0;
     let mut order: Vec<(usize, Score, bool)> = cands
         .iter()
         .enumerate()
