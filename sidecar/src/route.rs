@@ -439,15 +439,22 @@ mod tests {
     use super::*;
     use kvroute_shared::protocol::{PodRegistration, PolicyConfig};
 
-    #[test]
-    fn cold_prompts_find_homes_by_recent_work_after_their_load_is_gone() {
-        let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+    /// A sidecar with the default policy and four registered pods of model "m"; the
+    /// second value keeps its channels open.
+    fn four_pods() -> (std::sync::Arc<Sidecar>, impl Sized) {
+        let (sc, ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
         for p in 0..4 {
             let reg: PodRegistration =
                 serde_json::from_value(serde_json::json!({"model": "m"})).expect("reg");
             sc.register(&format!("10.0.0.{p}:8000"), reg)
                 .expect("register");
         }
+        (sc, ch)
+    }
+
+    #[test]
+    fn cold_prompts_find_homes_by_recent_work_after_their_load_is_gone() {
+        let (sc, _ch) = four_pods();
         // Each prompt is done (reported) before the next arrives, so in-flight load and
         // queued prefill say nothing; only the work each pod drew lately tells them apart.
         let mut homes = std::collections::HashSet::new();
@@ -481,13 +488,7 @@ mod tests {
 
     #[test]
     fn prefix_load_follows_decisions_and_is_released() {
-        let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
-        for p in 0..4 {
-            let reg: PodRegistration =
-                serde_json::from_value(serde_json::json!({"model": "m"})).expect("reg");
-            sc.register(&format!("10.0.0.{p}:8000"), reg)
-                .expect("register");
-        }
+        let (sc, _ch) = four_pods();
         // Text mode: every decision is also a prediction, so the second request is routed
         // by the first one's prefix.
         let req = |i: u32| RouteRequest {
