@@ -366,6 +366,12 @@ mod tests {
         }
     }
 
+    /// `c` with its load view changed by `f`.
+    fn with_load(mut c: Candidate, f: impl FnOnce(&mut LoadView)) -> Candidate {
+        f(&mut c.load);
+        c
+    }
+
     fn ask(blocks: u32) -> Ask {
         Ask {
             prompt_blocks: blocks,
@@ -393,13 +399,7 @@ mod tests {
         let cfg = PolicyConfig::default();
         // A 60-block system prompt on pods 0-2 (busy), not yet on pod 3 (idle): credited to
         // every pod, so the new conversation goes to the idle pod by load.
-        let busy = |id| Candidate {
-            load: LoadView {
-                decode_blocks: 400,
-                ..cand(id, 60, 3, 0).load
-            },
-            ..cand(id, 60, 3, 0)
-        };
+        let busy = |id| with_load(cand(id, 60, 3, 0), |l| l.decode_blocks = 400);
         let c = [busy(0), busy(1), busy(2), cand(3, 0, 0, 0)];
         assert_eq!(shared_hits(&cfg, &c), 60.0);
         let r = pick(&cfg, &ask(64), &c).expect("pick");
@@ -438,12 +438,10 @@ mod tests {
         assert!(!r.order[0].2, "but above the pod-wide bound");
         assert_ne!(r.order[r.pick].0, 0);
         // Within the pod-wide bound, but this prefix alone has 9 of its 12 requests there.
-        let hot = |id, inflight, prefix_inflight| Candidate {
-            load: LoadView {
-                prefix_inflight,
-                ..cand(id, 0, inflight, 0).load
-            },
-            ..cand(id, if id == 0 { 64 } else { 0 }, inflight, 0)
+        let hot = |id, inflight, prefix_inflight| {
+            with_load(cand(id, if id == 0 { 64 } else { 0 }, inflight, 0), |l| {
+                l.prefix_inflight = prefix_inflight
+            })
         };
         let c = [hot(0, 9, 9), hot(1, 6, 1), hot(2, 6, 1), hot(3, 6, 1)];
         let r = pick(&cfg, &ask(64), &c).expect("pick");
@@ -458,13 +456,8 @@ mod tests {
     #[test]
     fn a_full_batch_is_avoided_while_another_pod_has_room() {
         let cfg = PolicyConfig::default();
-        let waiting = |id, matched, queued| Candidate {
-            load: LoadView {
-                queued,
-                ..cand(id, matched, 4, 0).load
-            },
-            ..cand(id, matched, 4, 0)
-        };
+        let waiting =
+            |id, matched, queued| with_load(cand(id, matched, 4, 0), |l| l.queued = queued);
         // The holder's engine reports 2 requests waiting for a batch slot: a cold pod with
         // room wins although the holder is far cheaper by cache.
         let c = [waiting(0, 60, 2), waiting(1, 0, 0)];
@@ -488,26 +481,18 @@ mod tests {
     fn a_hot_prefix_spreads_its_new_conversations() {
         let cfg = PolicyConfig::default();
         // A 60-block system prompt on pods 0 and 1 only; each has 3 of its requests in flight.
-        let holder = |id| Candidate {
-            load: LoadView {
-                prefix_inflight: 3,
-                decode_blocks: 190,
-                ..cand(id, 60, 3, 0).load
-            },
-            ..cand(id, 60, 3, 0)
+        let holder = |id| {
+            with_load(cand(id, 60, 3, 0), |l| {
+                l.prefix_inflight = 3;
+                l.decode_blocks = 190;
+            })
         };
         let c = [holder(0), holder(1), cand(2, 0, 0, 0), cand(3, 0, 0, 0)];
         // 6 in flight over 4 pods is above one per pod: hot, credited to all, an idle pod wins.
         let r = pick(&cfg, &ask(64), &c).expect("pick");
         assert!(r.order[r.pick].0 >= 2, "{r:?}");
         // The same prefix with one request in flight: not hot, the holders keep it.
-        let quiet = |id| Candidate {
-            load: LoadView {
-                prefix_inflight: u32::from(id == 0),
-                ..holder(id).load
-            },
-            ..holder(id)
-        };
+        let quiet = |id| with_load(holder(id), |l| l.prefix_inflight = u32::from(id == 0));
         let c = [quiet(0), quiet(1), cand(2, 0, 0, 0), cand(3, 0, 0, 0)];
         let r = pick(&cfg, &ask(64), &c).expect("pick");
         assert!(r.order[r.pick].0 < 2, "{r:?}");
@@ -524,13 +509,7 @@ mod tests {
     #[test]
     fn a_cold_prefix_gets_the_home_with_least_recent_work() {
         let cfg = PolicyConfig::default();
-        let busy_lately = |id, recent| Candidate {
-            load: LoadView {
-                recent_blocks: recent,
-                ..cand(id, 0, 1, 0).load
-            },
-            ..cand(id, 0, 1, 0)
-        };
+        let busy_lately = |id, recent| with_load(cand(id, 0, 1, 0), |l| l.recent_blocks = recent);
         // Nobody holds the prompt: the pod that drew the least work lately is its home,
         // whatever the tie hash says.
         let c = [

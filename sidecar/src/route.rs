@@ -452,6 +452,19 @@ mod tests {
         (sc, ch)
     }
 
+    /// A successful completion report.
+    fn done(sc: &Sidecar, request_id: &str, pod: &str) {
+        report(
+            sc,
+            &CompletionReport {
+                request_id: request_id.into(),
+                pod: pod.into(),
+                status: 200,
+                ..Default::default()
+            },
+        );
+    }
+
     #[test]
     fn cold_prompts_find_homes_by_recent_work_after_their_load_is_gone() {
         let (sc, _ch) = four_pods();
@@ -472,15 +485,7 @@ mod tests {
                 dry_run: false,
             };
             let d = route(&sc, &req).expect("route");
-            report(
-                &sc,
-                &CompletionReport {
-                    request_id: format!("c{i}"),
-                    pod: d.pod.clone(),
-                    status: 200,
-                    ..Default::default()
-                },
-            );
+            done(&sc, &format!("c{i}"), &d.pod);
             homes.insert(d.pod);
         }
         assert_eq!(homes.len(), 4, "{homes:?}");
@@ -524,15 +529,7 @@ mod tests {
             .values()
             .any(|m| m.contains_key(first.pod.as_str())));
         for i in 0..=3 {
-            report(
-                &sc,
-                &CompletionReport {
-                    request_id: format!("r{i}"),
-                    pod: first.pod.clone(),
-                    status: 200,
-                    ..Default::default()
-                },
-            );
+            done(&sc, &format!("r{i}"), &first.pod);
         }
         assert!(
             sc.prefix_load.lock().is_empty(),
