@@ -454,9 +454,10 @@ pub struct PolicyConfig {
     pub home_weight: f64,
     /// Time constant of that recent count, seconds (exponential decay).
     pub home_window_s: f64,
-    /// A routing prefix with at least this many requests in flight per candidate pod is
-    /// credited to every pod (0 = never): it is hot enough to be needed everywhere, so
-    /// its first holders must not draw all of its new conversations.
+    /// A routing prefix with at least this many requests in flight per candidate pod (and
+    /// more than `prefix_balance_slack`) is credited to every pod (0 = never): it is hot
+    /// enough to be needed everywhere, so its first holders must not draw all of its new
+    /// conversations.
     pub hot_prefix_per_pod: f64,
     /// A pod whose engine reports requests waiting for a batch slot is outside the
     /// bounded-load guard while any candidate has none: there a new request would wait

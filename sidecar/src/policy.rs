@@ -249,8 +249,11 @@ pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Rankin
     // its new conversations spread by load rather than pile onto its first holders (who
     // would keep them, and their later turns, for good).
     let deepest = cands.iter().map(|c| hits(cfg, c)).fold(0.0, f64::max);
+    // Never while one pod may keep all of them under the per-prefix bound: with a few pods
+    // a handful of requests for one prompt (reports not yet in) is not a hot prefix.
     let hot = cfg.hot_prefix_per_pod > 0.0
-        && ptotal as f64 >= cfg.hot_prefix_per_pod * cands.len() as f64;
+        && ptotal as f64
+            >= (cfg.hot_prefix_per_pod * cands.len() as f64).max(cfg.prefix_balance_slack + 1.0);
     let shared = if hot { deepest } else { shared };
     // Nobody holds more than what is credited to all: the request is choosing a home.
     let cold = !ask.load_only && deepest < shared + 1.0;
@@ -496,6 +499,12 @@ mod tests {
         let c = [quiet(0), quiet(1), cand(2, 0, 0, 0), cand(3, 0, 0, 0)];
         let r = pick(&cfg, &ask(64), &c).expect("pick");
         assert!(r.order[r.pick].0 < 2, "{r:?}");
+        // Three pods: 3 in flight is one per pod, but one pod may keep up to the prefix
+        // slack (4) of them, so the prefix is not hot yet and the holder keeps it.
+        let one = with_load(holder(0), |l| l.prefix_inflight = 4);
+        let c = [one, cand(1, 0, 0, 0), cand(2, 0, 0, 0)];
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert_eq!(r.order[r.pick].0, 0, "{r:?}");
         // Switched off.
         let off = PolicyConfig {
             hot_prefix_per_pod: 0.0,
