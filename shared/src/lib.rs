@@ -1,7 +1,7 @@
 //! kvroute-shared: everything the filter (wasm) and the sidecar (native) must agree on
 //! bit for bit, compiled into both so there is exactly one definition.
 //!
-//! - [`chain`]: the cumulative block-hash chain (REFERENCE §3, normative for kvroute v1).
+//! - [`chain`]: the cumulative block-hash chain (normative for kvroute v1; spec and test vectors in docs/protocol.md).
 //! - [`canon`]: turning an OpenAI-style request body into the bytes or tokens that are chained.
 //! - [`protocol`]: every wire type between filter, sidecar and engines.
 //!

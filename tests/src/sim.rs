@@ -522,7 +522,7 @@ pub fn infinite_cache_bound(reqs: &[Request], o: &SimOpts) -> Bound {
     }
 }
 
-/// Generated workloads (REFERENCE §7), in blocks of `block_tokens` tokens.
+/// Generated workloads after the shapes SGLang's, llm-d's and the multi-round QA benchmarks use, in blocks of `block_tokens` tokens.
 pub fn generated(name: &str, block_tokens: u32, rate_rps: f64, seed: u64) -> Option<Vec<Request>> {
     let mut rng = Rng(seed);
     let mut id = seed << 40;

@@ -63,8 +63,8 @@ pub fn load_mooncake(path: &Path) -> anyhow::Result<Vec<Request>> {
     Ok(out)
 }
 
-/// The shipped trace (../shared/data beside the repository).
+/// The Mooncake trace shipped in the repository (tests/data, with its attribution).
 pub fn default_trace() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/data/mooncake_synthetic_trace.jsonl")
+        .join("data/mooncake_synthetic_trace.jsonl")
 }

@@ -1,7 +1,7 @@
 //! The filter inside a real Envoy 1.40 (v8), against a stub sidecar and stub pods.
 //!
 //! This is where the hash chain is proven on wasm32: the chains the filter computes
-//! inside v8 must be the REFERENCE §3 vectors bit for bit.
+//! inside v8 must be the protocol test vectors (docs/protocol.md) bit for bit.
 
 use std::time::{Duration, Instant};
 
@@ -130,7 +130,7 @@ async fn wasm_chain_matches_reference_vectors() {
     assert_eq!(log.routes[1].adapter, "a");
     assert_eq!(log.routes[1].model, "m");
     println!(
-        "wasm32 (Envoy v8) reproduced all {} REFERENCE §3 vectors",
+        "wasm32 (Envoy v8) reproduced all {} protocol test vectors (docs/protocol.md)",
         cases.len()
     );
 }

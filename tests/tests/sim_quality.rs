@@ -87,7 +87,7 @@ fn default_policy_keeps_p99_on_the_floor_of_the_group_workloads() {
 }
 
 /// The goal, held over seeds 1–4 (one seed is a handful of placement decisions
-/// away from another: docs/policy.md, finding 9): on every built-in workload the default
+/// away from another: docs/policy.md, "Balance where it costs no cache"): on every built-in workload the default
 /// policy's mean TTFT is the lowest of all nine policies and its p99 the lowest on every
 /// seed. The thinnest margin is multiround-qa, where session affinity is itself at the
 /// floor plus the per-pod system-prompt prefills every policy pays.
@@ -130,7 +130,7 @@ fn default_policy_has_the_lowest_mean_ttft_over_four_seeds() {
 }
 
 /// At 1.5× the default rates the batches fill: a holder whose engine has requests waiting
-/// for a slot must not keep drawing its prefix's traffic (finding 9, `full_batch_guard`).
+/// for a slot must not keep drawing its prefix's traffic (`full_batch_guard`, docs/policy.md).
 #[test]
 fn under_heavy_load_the_default_policy_still_has_the_lowest_mean_ttft() {
     for w in ["sglang-shared-prefix", "llmd-prefix"] {
@@ -157,7 +157,7 @@ fn under_heavy_load_the_default_policy_still_has_the_lowest_mean_ttft() {
 fn default_policy_beats_round_robin_on_the_mooncake_trace() {
     let path = kvroute_tests::workload::default_trace();
     let reqs = kvroute_tests::workload::load_mooncake(&path)
-        .expect("../shared/data/mooncake_synthetic_trace.jsonl");
+        .expect("tests/data/mooncake_synthetic_trace.jsonl");
     check("mooncake", &reqs, &opts(512, 1024));
 }
 

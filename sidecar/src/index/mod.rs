@@ -2,7 +2,7 @@
 //! decisions belong to the policy. No I/O and no async: the service, the simulator and
 //! the benchmarks drive this same code.
 //!
-//! Shape (after Modular's data layer, seed 004 §7–15):
+//! Shape (after Modular's cache-aware data layer; reasons in docs/architecture.md):
 //! - pods of the model get a slot 0..=255 and a bit in a [`HostBitmap`];
 //! - `block hash → holders` lives in 256 shards, each its own lock on its own cache line,
 //!   the shard chosen by the high bits of `hash × 0x9E3779B97F4A7C15` (Fibonacci hashing);

@@ -82,7 +82,7 @@ enum Cmd {
     },
     /// Replay a Mooncake-format trace through the index (and the radix baseline).
     Trace {
-        /// Trace file (default: ../shared/data/mooncake_synthetic_trace.jsonl).
+        /// Trace file (default: tests/data/mooncake_synthetic_trace.jsonl, shipped in the repository).
         file: Option<PathBuf>,
         #[arg(long, default_value_t = 16)]
         pods: usize,
