@@ -515,7 +515,16 @@ impl HttpContext for Http {
                 .unwrap_or(0.0),
             _ => 0.0,
         };
-        let body = logic::report(request_id, model, &pod, *status, tail.usage(), duration_ms);
+        let decision = steered.as_ref().map_or("", |s| s.decision.as_str());
+        let body = logic::report(
+            decision,
+            request_id,
+            model,
+            &pod,
+            *status,
+            tail.usage(),
+            duration_ms,
+        );
         let batch = sh
             .reports
             .try_borrow_mut()

@@ -156,6 +156,8 @@ pub struct Steer {
     pub pod: String,
     pub prefill_pod: Option<String>,
     pub matched_blocks: u32,
+    /// The sidecar's decision id, echoed in the completion report.
+    pub decision: String,
 }
 
 pub use kvroute_shared::protocol::valid_endpoint;
@@ -184,11 +186,16 @@ pub fn interpret(status: Option<&str>, body: Option<&[u8]>) -> Result<Steer, Ski
         pod: resp.pod,
         prefill_pod,
         matched_blocks,
+        decision: resp.decision.unwrap_or_default(),
     })
 }
 
-/// The completion report sent from `on_log`.
+/// The completion report sent from `on_log`. `decision` is the id the sidecar gave
+/// the route (empty when the request was not steered); `status` 0 means the client went
+/// away before any response.
+#[allow(clippy::too_many_arguments)]
 pub fn report(
+    decision: &str,
     request_id: &str,
     model: &str,
     pod: &str,
@@ -197,6 +204,7 @@ pub fn report(
     duration_ms: f64,
 ) -> Vec<u8> {
     let r = CompletionReport {
+        decision: decision.to_owned(),
         request_id: request_id.to_owned(),
         pod: pod.to_owned(),
         model: model.to_owned(),
@@ -341,13 +349,14 @@ mod tests {
 
     #[test]
     fn answers_are_judged() {
-        let ok = br#"{"pod":"127.0.0.1:8001","ranked":[{"pod":"127.0.0.1:8001","matched_blocks":3}],"policy_version":1}"#;
+        let ok = br#"{"pod":"127.0.0.1:8001","decision":"ab-7","ranked":[{"pod":"127.0.0.1:8001","matched_blocks":3}],"policy_version":1}"#;
         assert_eq!(
             interpret(Some("200"), Some(ok)),
             Ok(Steer {
                 pod: "127.0.0.1:8001".into(),
                 prefill_pod: None,
-                matched_blocks: 3
+                matched_blocks: 3,
+                decision: "ab-7".into(),
             })
         );
         assert_eq!(interpret(Some("504"), None), Err(Skip::Timeout));
@@ -380,10 +389,16 @@ mod tests {
             }),
         };
         let r: CompletionReport =
-            serde_json::from_slice(&report("r", "m", "p:1", 200, Some(u), 1.5)).expect("json");
+            serde_json::from_slice(&report("ab-7", "r", "m", "p:1", 200, Some(u), 1.5))
+                .expect("json");
         assert_eq!(
-            (r.cached_tokens, r.status, r.pod.as_str()),
-            (Some(8), 200, "p:1")
+            (
+                r.cached_tokens,
+                r.status,
+                r.pod.as_str(),
+                r.decision.as_str()
+            ),
+            (Some(8), 200, "p:1", "ab-7")
         );
     }
 
@@ -391,12 +406,14 @@ mod tests {
     fn report_queue_batches_into_a_json_array_the_sidecar_decodes() {
         let mut q = ReportQueue::new(3);
         assert!(q.take().is_none(), "nothing pending, nothing sent");
-        let one = report("r1", "m", "p:1", 200, None, 1.0);
+        let one = report("d1", "r1", "m", "p:1", 200, None, 1.0);
         assert!(q.push(&one).is_none());
         assert!(q.push(&[]).is_none(), "an empty encoding is not queued");
-        assert!(q.push(&report("r2", "m", "p:2", 500, None, 2.0)).is_none());
+        assert!(q
+            .push(&report("d2", "r2", "m", "p:2", 500, None, 2.0))
+            .is_none());
         let (body, n) = q
-            .push(&report("r3", "m", "p:1", 200, None, 3.0))
+            .push(&report("d3", "r3", "m", "p:1", 200, None, 3.0))
             .expect("full");
         assert_eq!(n, 3);
         let b = kvroute_shared::protocol::ReportBatch::decode(&body).expect("decodes");

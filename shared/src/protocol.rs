@@ -317,6 +317,10 @@ impl TierHint {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RouteResponse {
     pub pod: String,
+    /// The decision's id, issued by the sidecar (absent for a dry run). The filter
+    /// echoes it in its completion report; it is the only way to release the decision.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decision: Option<String>,
     pub ranked: Vec<Ranked>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tier_hint: Option<TierHint>,
@@ -334,8 +338,12 @@ pub struct RouteResponse {
 /// `on_log`. `cached_tokens` is the engine's own count, the ground truth for predictions.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct CompletionReport {
+    /// The client's request id, for logs only.
     #[serde(default)]
     pub request_id: String,
+    /// The decision id from the route answer: the ledger entry this report releases.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub decision: String,
     pub pod: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub model: String,
@@ -688,6 +696,14 @@ pub struct LoadDelta {
         skip_serializing_if = "Option::is_none"
     )]
     pub prefix: Option<u64>,
+    /// The decision runs on this pod (false for a prefill pod's share of a disaggregated
+    /// request, which only adds prefill work).
+    #[serde(default = "yes")]
+    pub inflight: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -12,7 +12,6 @@ use kvroute_shared::protocol::EventBatch;
 use tokio::sync::{mpsc, watch};
 
 use crate::ingest::{self, IngestLocks};
-use crate::route;
 use crate::state::{CleanupJob, ResyncJob, Sidecar};
 
 /// Tells background tasks to stop when dropped.
@@ -62,42 +61,10 @@ pub fn sweep(sc: &Sidecar, now: Instant) {
         .collect();
     for id in dead {
         tracing::info!(pod = %id, "no events for {}s: removing", cfg.liveness_timeout_s);
-        sc.remove_pod(&id, "liveness");
+        sc.remove_pod_at(&id, "liveness", now);
     }
-    // Projected load whose report never came.
-    let timeout = Duration::from_secs(cfg.load_timeout_s);
-    let expired: Vec<_> = {
-        let mut d = sc.decisions.lock();
-        let keys: Vec<String> = d
-            .iter()
-            .filter(|(_, v)| now.duration_since(v.at) > timeout)
-            .map(|(k, _)| k.clone())
-            .collect();
-        keys.into_iter().filter_map(|k| d.remove(&k)).collect()
-    };
-    for d in expired {
-        route::release(sc, &d, "timeout");
-    }
-    // Other replicas' decisions whose release never came (that replica died).
-    let tps = cfg.prefill_tokens_per_s;
-    for p in sc.pods.lock().values_mut() {
-        let stale: Vec<String> = p
-            .remote
-            .iter()
-            .filter(|(_, r)| now.duration_since(r.0) > timeout)
-            .map(|(k, _)| k.clone())
-            .collect();
-        for k in stale {
-            if let Some((_, tokens, _, prefix)) = p.remote.remove(&k) {
-                p.projected
-                    .horizon
-                    .release(crate::pods::clock(now), tokens, tps);
-                if let Some(k) = prefix {
-                    sc.prefix_release(k, &p.id);
-                }
-            }
-        }
-    }
+    // Projected load whose report never came (ours or another replica's).
+    sc.expire_load(now);
     sc.predicted
         .expire(Duration::from_secs(cfg.predicted_ttl_s), now);
 }

@@ -20,7 +20,7 @@ use kvroute_shared::protocol::{
 use serde_json::json;
 
 use crate::ingest::{self, IngestLocks};
-use crate::route::{self, RouteError};
+use crate::route;
 use crate::state::{ConfigError, Sidecar};
 
 #[derive(Clone)]
@@ -127,17 +127,12 @@ async fn route_h(State(api): State<Api>, headers: HeaderMap, body: Bytes) -> Res
     };
     match route::route(&api.sc, &req) {
         Ok(resp) => Json(resp).into_response(),
-        Err(e @ RouteError::Bad(_)) => err(StatusCode::BAD_REQUEST, e.reason(), route_msg(&e)),
-        Err(e @ RouteError::NoPod(_)) => {
-            err(StatusCode::SERVICE_UNAVAILABLE, e.reason(), route_msg(&e))
-        }
+        Err(e) => err(status_of(e.status()), e.reason(), e),
     }
 }
 
-fn route_msg(e: &RouteError) -> &str {
-    match e {
-        RouteError::Bad(m) | RouteError::NoPod(m) => m,
-    }
+fn status_of(code: u16) -> StatusCode {
+    StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
 }
 
 async fn report_h(State(api): State<Api>, body: Bytes) -> Response {
@@ -200,7 +195,7 @@ fn pod_json(sc: &Sidecar, p: &crate::pods::Pod, now: std::time::Instant) -> serd
         .indexes
         .get(&p.reg.model)
         .and_then(|ix| ix.handle(&p.id).map(|h| ix.pod_blocks(h)));
-    let load = p.load_view(now, &sc.config());
+    let load = p.load_view(sc.ledger().view(&p.id, None, now, &sc.config()), now);
     json!({
         "pod": &*p.id, "model": p.reg.model, "role": p.reg.role, "adapters": p.reg.adapters,
         "labels": p.reg.labels, "capacity_blocks": p.reg.capacity_blocks, "dump_url": p.reg.dump_url,
@@ -239,8 +234,7 @@ async fn put_pod_h(State(api): State<Api>, Path(id): Path<String>, body: Bytes) 
     };
     match api.sc.register(&id, reg) {
         Ok(()) => get_pod_h(State(api), Path(id)).await,
-        Err(e) if e.contains("already has") => err(StatusCode::CONFLICT, "model_full", e),
-        Err(e) => err(StatusCode::BAD_REQUEST, "bad_registration", e),
+        Err(e) => err(status_of(e.status()), e.reason(), e),
     }
 }
 

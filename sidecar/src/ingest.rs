@@ -100,7 +100,17 @@ pub fn ingest(
     locks: &IngestLocks,
     batch: &EventBatch,
 ) -> Result<Ingested, IngestError> {
-    let r = ingest_inner(sc, locks, batch);
+    ingest_at(sc, locks, batch, Instant::now())
+}
+
+/// [`ingest`] at `now` (the simulator's virtual clock).
+pub fn ingest_at(
+    sc: &Sidecar,
+    locks: &IngestLocks,
+    batch: &EventBatch,
+    now: Instant,
+) -> Result<Ingested, IngestError> {
+    let r = ingest_inner(sc, locks, batch, now);
     match &r {
         Ok(i) if i.duplicate => {
             sc.metrics.duplicates.fetch_add(1, Ordering::Relaxed);
@@ -130,9 +140,9 @@ fn ingest_inner(
     sc: &Sidecar,
     locks: &IngestLocks,
     b: &EventBatch,
+    now: Instant,
 ) -> Result<Ingested, IngestError> {
     let cfg = sc.config();
-    let now = Instant::now();
     let lock = locks.get(&b.pod);
     let _serial = lock.lock();
     let mut out = Ingested::default();
@@ -261,7 +271,7 @@ fn ingest_inner(
             }
             Event::Cleared => handle = reset_pod(sc, &index, b, "cleared")?,
             Event::Shutdown => {
-                sc.remove_pod(&b.pod, "shutdown");
+                sc.remove_pod_at(&b.pod, "shutdown", now);
                 out.removed_pod = true;
                 return Ok(out);
             }

@@ -4,7 +4,9 @@
 //! - [`index`]: which pods hold which blocks (pure, no I/O);
 //! - [`ingest`]: engine events → index and [`pods`] registry;
 //! - [`policy`]: Filter → Score → Pick over facts and load views (pure);
-//! - [`route`]: lookup → policy → decision → load projection; reports release it;
+//! - [`route`]: lookup → candidates → selector → decision; reports release it;
+//! - [`ledger`]: the one owner of projected load (decisions, other replicas' deltas,
+//!   per-prefix in-flight counts, prefill horizons, recent work);
 //! - [`predicted`]: residency guessed from decisions, for engines without events;
 //! - [`state`], [`http`], [`nats`], [`cleaner`], [`serve`]: the service around them;
 //! - [`hashcli`]: the operator's chain printer;
@@ -17,6 +19,7 @@ pub mod hashcli;
 pub mod http;
 pub mod index;
 pub mod ingest;
+pub mod ledger;
 pub mod metrics;
 pub mod nats;
 pub mod pods;

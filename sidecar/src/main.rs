@@ -60,7 +60,10 @@ struct HashCmd {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().cmd {
-        Cmd::Serve(a) => service()?.block_on(kvroute_sidecar::serve::run(a)),
+        Cmd::Serve(a) => service()?.block_on(kvroute_sidecar::serve::run(
+            a,
+            kvroute_sidecar::serve::wait_for_signal(),
+        )),
         Cmd::Bridge(a) => service()?.block_on(kvroute_sidecar::bridge::run(a)),
         Cmd::Hash(h) => {
             let input = match (h.tokens, h.text, h.request) {

@@ -111,6 +111,12 @@ pub struct Metrics {
     pub mispredictions: AtomicU64,
     pub pods_removed: Family,
     pub load_released: Family,
+    /// Reports by whether they named an outstanding decision ("released", "unknown",
+    /// "none" when the report carries no decision id).
+    pub report_decisions: Family,
+    /// Load deltas between replicas: "published", "dropped_full", "publish_failed",
+    /// "applied", "ignored".
+    pub replica_deltas: Family,
     pub event_lag: Mutex<BTreeMap<String, f64>>,
     pub nats_connected: AtomicU64,
     pub nats_messages: AtomicU64,
@@ -139,6 +145,8 @@ impl Default for Metrics {
             mispredictions: AtomicU64::new(0),
             pods_removed: Family::default(),
             load_released: Family::default(),
+            report_decisions: Family::default(),
+            replica_deltas: Family::default(),
             event_lag: Mutex::new(BTreeMap::new()),
             nats_connected: AtomicU64::new(0),
             nats_messages: AtomicU64::new(0),
@@ -281,6 +289,20 @@ impl Metrics {
             "kvroute_load_released_total",
             "how",
             "Projected load released.",
+            "counter",
+        );
+        self.report_decisions.render(
+            &mut o,
+            "kvroute_report_decisions_total",
+            "outcome",
+            "Completion reports by the decision they named.",
+            "counter",
+        );
+        self.replica_deltas.render(
+            &mut o,
+            "kvroute_replica_deltas_total",
+            "outcome",
+            "Load deltas exchanged with other replicas.",
             "counter",
         );
         let _ = writeln!(o, "# HELP kvroute_event_lag_seconds Now minus the last batch's ts, per pod.\n# TYPE kvroute_event_lag_seconds gauge");

@@ -2,6 +2,10 @@
 //! all replicas build the same index. The connection is retried forever with backoff
 //! (also when NATS is down at start); its state is a metric and part of `/readyz`.
 //! A malformed message is counted and dropped; it never stalls the subscription.
+//!
+//! This replica's load deltas leave through their own task ([`publish_outbox`]), each
+//! publish bounded by a timeout, so a NATS outage can delay only that task: event
+//! ingestion, the other replicas' deltas and shutdown never wait on a publish.
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -10,7 +14,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use kvroute_shared::protocol::{EventBatch, LoadDelta};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
 use crate::ingest::{self, IngestLocks};
 use crate::state::Sidecar;
@@ -69,11 +73,15 @@ pub async fn connect(sc: &Arc<Sidecar>, o: &NatsOpts) -> anyhow::Result<async_na
     Ok(opts.connect(o.url.as_str()).await?)
 }
 
+/// How long one load delta may wait for the NATS client before it is dropped.
+const PUBLISH_TIMEOUT: Duration = Duration::from_millis(500);
+
 pub async fn run(
     sc: Arc<Sidecar>,
     locks: Arc<IngestLocks>,
     o: NatsOpts,
-    mut shutdown: watch::Receiver<bool>,
+    outbox: mpsc::Receiver<LoadDelta>,
+    shutdown: watch::Receiver<bool>,
 ) {
     sc.nats_configured.store(true, Ordering::Relaxed);
     let client = match connect(&sc, &o).await {
@@ -83,6 +91,49 @@ pub async fn run(
             return;
         }
     };
+    sc.enable_replica_sync(true);
+    tokio::join!(
+        consume(&sc, &locks, &client, &o, shutdown.clone()),
+        publish_outbox(&sc, &client, outbox, shutdown),
+    );
+    sc.enable_replica_sync(false);
+}
+
+/// Publish this replica's load deltas until shutdown; a publish that NATS does not take
+/// within [`PUBLISH_TIMEOUT`] is dropped and counted.
+pub async fn publish_outbox(
+    sc: &Sidecar,
+    client: &async_nats::Client,
+    mut outbox: mpsc::Receiver<LoadDelta>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        let delta = tokio::select! {
+            _ = shutdown.changed() => break,
+            d = outbox.recv() => match d { Some(d) => d, None => break },
+        };
+        let Ok(bytes) = serde_json::to_vec(&delta) else {
+            continue;
+        };
+        let publish = client.publish(format!("{LOAD_SUBJECT}.{}", delta.model), bytes.into());
+        let outcome = tokio::select! {
+            _ = shutdown.changed() => break,
+            r = tokio::time::timeout(PUBLISH_TIMEOUT, publish) => match r {
+                Ok(Ok(())) => "published",
+                _ => "publish_failed",
+            },
+        };
+        sc.metrics.replica_deltas.inc(outcome, 1);
+    }
+}
+
+async fn consume(
+    sc: &Arc<Sidecar>,
+    locks: &Arc<IngestLocks>,
+    client: &async_nats::Client,
+    o: &NatsOpts,
+    mut shutdown: watch::Receiver<bool>,
+) {
     let mut sub = loop {
         match client.subscribe(o.subject.clone()).await {
             Ok(s) => break s,
@@ -98,16 +149,9 @@ pub async fn run(
     tracing::info!("nats: subscribed to {}", o.subject);
     // Replicas share their decisions so that several gateways do not pile onto one pod.
     let mut loads = client.subscribe(format!("{LOAD_SUBJECT}.>")).await.ok();
-    let (tx, mut outbox) = tokio::sync::mpsc::unbounded_channel::<LoadDelta>();
-    *sc.load_tx.lock() = Some(tx);
     loop {
         tokio::select! {
             _ = shutdown.changed() => break,
-            Some(delta) = outbox.recv() => {
-                if let Ok(bytes) = serde_json::to_vec(&delta) {
-                    let _ = client.publish(format!("{LOAD_SUBJECT}.{}", delta.model), bytes.into()).await;
-                }
-            }
             Some(msg) = async { match loads.as_mut() { Some(l) => l.next().await, None => std::future::pending().await } } => {
                 match serde_json::from_slice::<LoadDelta>(&msg.payload) {
                     Ok(delta) => sc.apply_remote(&delta),
@@ -119,7 +163,7 @@ pub async fn run(
                 sc.metrics.nats_messages.fetch_add(1, Ordering::Relaxed);
                 match EventBatch::decode(&msg.payload) {
                     Ok(batch) => {
-                        if let Err(e) = ingest::ingest(&sc, &locks, &batch) {
+                        if let Err(e) = ingest::ingest(sc, locks, &batch) {
                             tracing::debug!("nats: batch refused: {e}");
                         }
                     }
@@ -131,8 +175,7 @@ pub async fn run(
             }
         }
     }
-    *sc.load_tx.lock() = None;
-    let _ = sub.unsubscribe().await;
+    let _ = tokio::time::timeout(PUBLISH_TIMEOUT, sub.unsubscribe()).await;
 }
 
 /// Subject prefix of replicas' load broadcasts (`kvroute.load.<model>`).

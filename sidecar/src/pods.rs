@@ -1,6 +1,7 @@
 //! The pod registry: what the sidecar knows about each engine pod besides its cached
 //! blocks — registration, event-stream position (epoch, seq), staleness, liveness, the
-//! projected load and the circuit breaker.
+//! engine's own load report and the circuit breaker. The load the router projected is
+//! the ledger's ([`crate::ledger`]); [`Pod::load_view`] combines the two.
 //!
 //! One map behind one mutex: every access is a short read-modify-write of a few fields
 //! (a route updates one pod's load; an event batch updates one pod's position), so a
@@ -10,9 +11,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvroute_shared::protocol::{PodRegistration, PolicyConfig, Role};
+use kvroute_shared::protocol::{PodRegistration, Role};
 
-use crate::policy::{LoadView, PrefillHorizon, RecentWork};
+use crate::policy::LoadView;
 
 /// The engine's own last load report.
 #[derive(Clone, Copy, Debug)]
@@ -21,25 +22,6 @@ pub struct EngineLoad {
     pub waiting: u32,
     pub kv_usage: f64,
     pub at: Instant,
-}
-
-/// Load the router has projected onto a pod and not yet released.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Projected {
-    /// When the prefills routed here should be done (see [`PrefillHorizon`]).
-    pub horizon: PrefillHorizon,
-    pub decode_blocks: u64,
-    pub inflight: u32,
-    /// Prompt blocks routed here lately, by this replica and the others.
-    pub recent: RecentWork,
-}
-
-/// Seconds on a process-wide monotonic clock, the time base of [`PrefillHorizon`].
-pub fn clock(now: Instant) -> f64 {
-    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    let start = *START.get_or_init(Instant::now);
-    now.checked_duration_since(start)
-        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 #[derive(Clone, Debug)]
@@ -55,10 +37,6 @@ pub struct Pod {
     /// Has ever sent KV events (otherwise its residency is predicted).
     pub events_seen: bool,
     pub last_seen: Instant,
-    pub projected: Projected,
-    /// Decisions of other sidecar replicas on this pod: id → (received, prefill tokens,
-    /// blocks, routing prefix).
-    pub remote: std::collections::HashMap<String, (Instant, u64, u64, Option<u64>)>,
     pub engine: Option<EngineLoad>,
     pub failures: u32,
     pub breaker_until: Option<Instant>,
@@ -80,8 +58,6 @@ impl Pod {
             stale: false,
             events_seen: false,
             last_seen: now,
-            projected: Projected::default(),
-            remote: Default::default(),
             engine: None,
             failures: 0,
             breaker_until: None,
@@ -89,28 +65,40 @@ impl Pod {
         }
     }
 
-    /// The load the policy sees: the router's projection, raised to the engine's own
+    /// The load the policy sees: the ledger's projection, raised to the engine's own
     /// count when that is fresh and larger (other gateways route to this pod too).
-    pub fn load_view(&self, now: Instant, cfg: &PolicyConfig) -> LoadView {
-        let mut v = LoadView {
-            pending_prefill_tokens: self
-                .projected
-                .horizon
-                .pending(clock(now), cfg.prefill_tokens_per_s),
-            decode_blocks: self.projected.decode_blocks
-                + self.remote.values().map(|r| r.2).sum::<u64>(),
-            inflight: self.projected.inflight + self.remote.len() as u32,
-            queued: 0,
-            prefix_inflight: 0,
-            recent_blocks: self.projected.recent.value(clock(now), cfg.home_window_s),
-        };
+    pub fn load_view(&self, projected: LoadView, now: Instant) -> LoadView {
+        let mut v = projected;
         if let Some(e) = self.engine {
-            if now.duration_since(e.at).as_secs_f64() < ENGINE_LOAD_FRESH_S {
-                v.inflight = v.inflight.max(e.running + e.waiting);
+            if now.saturating_duration_since(e.at).as_secs_f64() < ENGINE_LOAD_FRESH_S {
+                v.inflight = v.inflight.max(e.running.saturating_add(e.waiting));
                 v.queued = e.waiting;
             }
         }
         v
+    }
+
+    /// A completion report's status: a server error opens the breaker after
+    /// `failures_to_open` in a row; anything the pod answered closes the count. A request
+    /// the client gave up on before any answer (status 0) says nothing about the pod.
+    pub fn record_status(
+        &mut self,
+        status: u16,
+        failures_to_open: u32,
+        cooldown: std::time::Duration,
+        now: Instant,
+    ) {
+        match status {
+            0 => {}
+            500.. => {
+                self.failures += 1;
+                if self.failures >= failures_to_open.max(1) {
+                    self.breaker_until = Some(now + cooldown);
+                    self.failures = 0;
+                }
+            }
+            _ => self.failures = 0,
+        }
     }
 
     pub fn breaker_open(&self, now: Instant) -> bool {

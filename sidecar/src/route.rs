@@ -1,33 +1,85 @@
-//! Route requests and completion reports: index lookup → policy → decision → load
-//! projection, and the release of that load when the request ends.
+//! Route requests and completion reports. A route runs named steps, one way:
+//! [`validate`] → [`lookup`] (confirmed and predicted index) → [`candidates`] (registry
+//! facts and the ledger's load views, under the registry lock) → a [`Selector`] (the
+//! policy, or a simulator baseline) → [`commit`] (the ledger issues the decision) →
+//! the answer. A completion report releases its decision by the id the route answer
+//! gave, and feeds the circuit breaker and predicted residency.
+//!
+//! Every step takes `now`, so the simulator drives this same code on a virtual clock
+//! ([`route_with`]).
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Instant;
 
 use kvroute_shared::protocol::{
-    CompletionReport, LoadOp, Ranked, Role, RouteRequest, RouteResponse,
+    CompletionReport, PolicyConfig, Ranked, Role, RouteRequest, RouteResponse,
 };
 use kvroute_shared::Mode;
 use serde_json::json;
 
-use crate::policy::{self, Ask, Candidate, PodFacts};
-use crate::state::{Decision, Sidecar};
+use crate::index::{ModelIndex, PodMatch};
+use crate::ledger::{NewDecision, Release};
+use crate::pods::Pods;
+use crate::policy::{self, Ask, Candidate, PodFacts, Ranking};
+use crate::state::Sidecar;
 
-/// Why a route request got no pod.
+/// Why a route request got no pod. `reason()` is the stable label (HTTP body, metric).
 #[derive(Debug, Clone, PartialEq)]
 pub enum RouteError {
-    /// 400: the request itself is wrong.
-    Bad(String),
-    /// 503: nothing can serve it.
-    NoPod(String),
+    EmptyModel,
+    ChainTooLong(usize),
+    BlockSizeMismatch {
+        given: u32,
+        want: u32,
+        mode: Mode,
+        model: String,
+    },
+    NoPod {
+        model: String,
+        adapter: String,
+    },
 }
 
 impl RouteError {
     pub fn reason(&self) -> &'static str {
         match self {
-            RouteError::Bad(m) if m.contains("block_size") => "block_size_mismatch",
-            RouteError::Bad(_) => "bad_request",
-            RouteError::NoPod(_) => "no_pod",
+            RouteError::EmptyModel | RouteError::ChainTooLong(_) => "bad_request",
+            RouteError::BlockSizeMismatch { .. } => "block_size_mismatch",
+            RouteError::NoPod { .. } => "no_pod",
+        }
+    }
+
+    /// The HTTP status: the request is wrong (400) or nothing can serve it (503).
+    pub fn status(&self) -> u16 {
+        match self {
+            RouteError::NoPod { .. } => 503,
+            _ => 400,
+        }
+    }
+}
+
+impl std::fmt::Display for RouteError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RouteError::EmptyModel => f.write_str("model must not be empty"),
+            RouteError::ChainTooLong(n) => write!(f, "chain of {n} blocks exceeds {MAX_CHAIN}"),
+            RouteError::BlockSizeMismatch {
+                given,
+                want,
+                mode,
+                model,
+            } => write!(
+                f,
+                "block_size {given} does not match the {} block size {want} configured for model {model:?}: gateway and engines must agree",
+                mode.as_str()
+            ),
+            RouteError::NoPod { model, adapter } if adapter.is_empty() => {
+                write!(f, "no live pod serves model {model:?}")
+            }
+            RouteError::NoPod { model, adapter } => {
+                write!(f, "no live pod serves model {model:?} with adapter {adapter:?}")
+            }
         }
     }
 }
@@ -36,9 +88,37 @@ const MAX_CHAIN: usize = 1 << 20;
 /// Candidates whose tier detail is looked up for scoring (the deepest few).
 const TIER_TOP: usize = 2;
 
+/// Picks a pod among the candidates. The service uses [`PolicySelector`]; the
+/// simulator's baselines implement it too, so every policy it compares sees the same
+/// candidates, loads and ledger.
+pub trait Selector {
+    fn select(
+        &mut self,
+        cfg: &PolicyConfig,
+        ask: &Ask,
+        req: &RouteRequest,
+        cands: &[Candidate],
+    ) -> Option<Ranking>;
+}
+
+/// kvroute's policy ([`policy::pick`]).
+pub struct PolicySelector;
+
+impl Selector for PolicySelector {
+    fn select(
+        &mut self,
+        cfg: &PolicyConfig,
+        ask: &Ask,
+        _req: &RouteRequest,
+        cands: &[Candidate],
+    ) -> Option<Ranking> {
+        policy::pick(cfg, ask, cands)
+    }
+}
+
 pub fn route(sc: &Sidecar, req: &RouteRequest) -> Result<RouteResponse, RouteError> {
     let t0 = Instant::now();
-    let r = route_inner(sc, req);
+    let r = route_with(sc, req, t0, &mut PolicySelector);
     sc.metrics.route_seconds.observe(t0.elapsed().as_secs_f64());
     if let Err(e) = &r {
         sc.metrics.route_errors.inc(e.reason(), 1);
@@ -46,26 +126,126 @@ pub fn route(sc: &Sidecar, req: &RouteRequest) -> Result<RouteResponse, RouteErr
     r
 }
 
-fn route_inner(sc: &Sidecar, req: &RouteRequest) -> Result<RouteResponse, RouteError> {
+/// The whole route at `now`, picking with `sel`.
+pub fn route_with(
+    sc: &Sidecar,
+    req: &RouteRequest,
+    now: Instant,
+    sel: &mut dyn Selector,
+) -> Result<RouteResponse, RouteError> {
     let cfg = sc.config();
+    validate(&cfg, req)?;
+    let facts = lookup(sc, req);
+    let ask = Ask {
+        prompt_blocks: facts.prompt_blocks,
+        block_size: req.block_size.max(1),
+        tie_key: facts.tie_key,
+        seed: facts.tie_key ^ (crate::ledger::clock(now) * 1e9) as u64,
+        load_only: false,
+    };
+    let mut pods = sc.pods.lock();
+    let disaggregated = req.role.is_none() && disaggregated(&pods, &req.model);
+    let main_role = if disaggregated {
+        Some(Role::Decode)
+    } else {
+        req.role
+    };
+    let mut cands = candidates(sc, &pods, req, &facts, main_role, now, &cfg);
+    if cands.is_empty() {
+        return Err(RouteError::NoPod {
+            model: req.model.clone(),
+            adapter: req.adapter.clone(),
+        });
+    }
+    tier_hints(&facts, req, &mut cands);
+    let main_ask = Ask {
+        load_only: disaggregated,
+        ..ask
+    };
+    let only: Vec<Candidate> = cands.iter().map(|c| c.0.clone()).collect();
+    let ranking = sel
+        .select(&cfg, &main_ask, req, &only)
+        .ok_or_else(|| RouteError::NoPod {
+            model: req.model.clone(),
+            adapter: req.adapter.clone(),
+        })?;
+    let (wi, _, _) = ranking.order[ranking.pick];
+    let (winner_c, winner) = cands[wi].clone();
+    // Disaggregated: the prefill pod by cache and prefill load.
+    let prefill = if disaggregated {
+        let pc = candidates(sc, &pods, req, &facts, Some(Role::Prefill), now, &cfg);
+        let only: Vec<Candidate> = pc.iter().map(|c| c.0.clone()).collect();
+        policy::pick(&cfg, &ask, &only).map(|r| pc[r.order[r.pick].0].clone())
+    } else {
+        None
+    };
+    let decision = if req.dry_run {
+        None
+    } else {
+        Some(commit(
+            sc,
+            &mut pods,
+            req,
+            &facts,
+            (&winner_c, &winner),
+            prefill.as_ref().map(|(c, id)| (c, id)),
+            now,
+            &cfg,
+        ))
+    };
+    drop(pods);
+    if let Some((_, deltas)) = &decision {
+        sc.publish(deltas.clone());
+    }
+    Ok(answer(
+        sc,
+        &cfg,
+        req,
+        &facts,
+        &cands,
+        &ranking,
+        &winner,
+        &winner_c,
+        prefill.map(|p| p.1),
+        decision.map(|d| d.0),
+    ))
+}
+
+fn validate(cfg: &PolicyConfig, req: &RouteRequest) -> Result<(), RouteError> {
     if req.model.is_empty() {
-        return Err(RouteError::Bad("model must not be empty".into()));
+        return Err(RouteError::EmptyModel);
     }
     if req.chain.len() > MAX_CHAIN {
-        return Err(RouteError::Bad(format!(
-            "chain of {} blocks exceeds {MAX_CHAIN}",
-            req.chain.len()
-        )));
+        return Err(RouteError::ChainTooLong(req.chain.len()));
     }
-    let want_bs = cfg.block_size(&req.model, req.mode);
-    if req.block_size != want_bs {
-        return Err(RouteError::Bad(format!(
-            "block_size {} does not match the {} block size {want_bs} configured for model {:?}: gateway and engines must agree",
-            req.block_size,
-            req.mode.as_str(),
-            req.model
-        )));
+    let want = cfg.block_size(&req.model, req.mode);
+    if req.block_size != want {
+        return Err(RouteError::BlockSizeMismatch {
+            given: req.block_size,
+            want,
+            mode: req.mode,
+            model: req.model.clone(),
+        });
     }
+    Ok(())
+}
+
+/// What the indexes say about a request's chain, and the keys derived from it.
+pub struct Facts {
+    pub index: Option<Arc<ModelIndex>>,
+    pub confirmed: Vec<PodMatch>,
+    pub predicted: Vec<PodMatch>,
+    /// The deepest prefix any pod holds (confirmed or predicted).
+    pub deepest: u32,
+    /// The prefix the request is routed by: the last block of the deepest one held.
+    pub prefix_key: Option<u64>,
+    pub tie_key: u64,
+    pub prompt_blocks: u32,
+    /// Tokens one block stands for (text blocks are bytes: ~4 per token).
+    pub tokens_per_block: u64,
+}
+
+fn lookup(sc: &Sidecar, req: &RouteRequest) -> Facts {
     let index = sc.indexes.get(&req.model);
     let confirmed = index
         .as_ref()
@@ -77,18 +257,17 @@ fn route_inner(sc: &Sidecar, req: &RouteRequest) -> Result<RouteResponse, RouteE
         .get(&req.model)
         .map(|ix| ix.lookup(&req.chain))
         .unwrap_or_default();
-    let now = Instant::now();
     let bs = req.block_size.max(1);
-    let token_blocks = req.prompt_tokens.div_ceil(if req.mode == Mode::Tokens {
+    let tokens_per_block = if req.mode == Mode::Tokens {
         bs
     } else {
         (bs / 4).max(1)
-    });
-    let prompt_blocks = (req.chain.len() as u32).max(token_blocks);
+    };
+    let prompt_blocks = (req.chain.len() as u32).max(req.prompt_tokens.div_ceil(tokens_per_block));
     let deepest = confirmed
         .iter()
+        .chain(&predicted)
         .map(|m| m.depth)
-        .chain(predicted.iter().map(|m| m.depth))
         .max()
         .unwrap_or(0);
     let tie_key = match (
@@ -101,159 +280,168 @@ fn route_inner(sc: &Sidecar, req: &RouteRequest) -> Result<RouteResponse, RouteE
         (None, None, Some(r)) => xxhash_rust::xxh3::xxh3_64(r.as_bytes()),
         _ => 0,
     };
-    // The prefix this request is routed by: the deepest one any pod holds.
     let prefix_key = (deepest as usize)
         .checked_sub(1)
         .and_then(|d| req.chain.get(d))
         .copied();
-    let prefix_load = prefix_key
-        .and_then(|k| sc.prefix_load.lock().get(&k).cloned())
-        .unwrap_or_default();
-    let ask = Ask {
-        prompt_blocks,
-        block_size: bs,
+    Facts {
+        index,
+        confirmed,
+        predicted,
+        deepest,
+        prefix_key,
         tie_key,
-        seed: tie_key ^ now.elapsed().as_nanos() as u64,
-        load_only: false,
-    };
+        prompt_blocks,
+        tokens_per_block: tokens_per_block as u64,
+    }
+}
 
-    let mut pods = sc.pods.lock();
-    // Candidates of the model that pass the Filter stage.
-    let mut ids = Vec::new();
-    let mut roles = (false, false);
-    for (id, p) in pods.iter() {
-        if p.reg.model != req.model {
-            continue;
-        }
-        roles.0 |= p.reg.role == Role::Prefill;
-        roles.1 |= p.reg.role == Role::Decode;
-        ids.push(id.clone());
+/// The model has both prefill and decode pods.
+fn disaggregated(pods: &Pods, model: &str) -> bool {
+    let (mut prefill, mut decode) = (false, false);
+    for p in pods.values().filter(|p| p.reg.model == model) {
+        prefill |= p.reg.role == Role::Prefill;
+        decode |= p.reg.role == Role::Decode;
     }
-    let disaggregated = req.role.is_none() && roles.0 && roles.1;
-    let build =
-        |want: Option<Role>, pods: &crate::pods::Pods| -> Vec<(Candidate, std::sync::Arc<str>)> {
-            let mut v = Vec::new();
-            for id in &ids {
-                let Some(p) = pods.get(id) else { continue };
-                let facts = PodFacts {
-                    role: p.reg.role,
-                    adapters: &p.reg.adapters,
-                    breaker_open: p.breaker_open(now),
-                };
-                if !policy::admissible(&facts, &req.adapter, want) {
-                    continue;
-                }
-                // Alive in the index (a pod in phase 1 of removal is already out).
-                let m = confirmed.iter().find(|m| m.pod == *id);
-                let slot_alive = index.as_ref().and_then(|ix| ix.handle(id)).is_some();
-                if index.is_some() && !slot_alive {
-                    continue;
-                }
-                v.push((
-                    Candidate {
-                        id: v.len(),
-                        key: p.key,
-                        matched: m.map_or(0, |m| m.depth),
-                        predicted: predicted
-                            .iter()
-                            .find(|x| x.pod == *id)
-                            .map_or(0, |x| x.depth),
-                        tiers: None,
-                        stale: p.stale,
-                        load: crate::policy::LoadView {
-                            prefix_inflight: prefix_load.get(id).copied().unwrap_or(0),
-                            ..p.load_view(now, &cfg)
-                        },
-                    },
-                    id.clone(),
-                ));
-            }
-            v
-        };
-    let (main_role, prefill) = if disaggregated {
-        (Some(Role::Decode), true)
-    } else {
-        (req.role, false)
-    };
-    let mut cands = build(main_role, &pods);
-    if cands.is_empty() {
-        return Err(RouteError::NoPod(format!(
-            "no live pod serves model {:?}{}",
-            req.model,
-            adapter_note(&req.adapter)
-        )));
-    }
-    // Tier detail for the deepest few only (it is kept off the lookup path).
-    if let Some(ix) = &index {
-        let mut by_depth: Vec<usize> = (0..cands.len())
-            .filter(|&i| cands[i].0.matched > 0)
-            .collect();
-        by_depth.sort_by_key(|&i| std::cmp::Reverse(cands[i].0.matched));
-        for &i in by_depth.iter().take(TIER_TOP) {
-            if let Some(m) = confirmed.iter().find(|m| m.pod == cands[i].1) {
-                cands[i].0.tiers = Some(ix.tier_hint(m.slot, &req.chain, m.depth));
-            }
-        }
-    }
-    let main_ask = Ask {
-        load_only: prefill,
-        ..ask
-    };
-    let only: Vec<Candidate> = cands.iter().map(|c| c.0.clone()).collect();
-    let ranking = policy::pick(&cfg, &main_ask, &only)
-        .ok_or_else(|| RouteError::NoPod("no candidate".into()))?;
-    let (wi, wscore, _) = ranking.order[ranking.pick];
-    let winner = cands[wi].1.clone();
-    let winner_c = cands[wi].0.clone();
+    prefill && decode
+}
 
-    // Disaggregated: the prefill pod by cache and prefill load.
-    let mut prefill_pod = None;
-    let mut prefill_c = None;
-    if prefill {
-        let pc = build(Some(Role::Prefill), &pods);
-        let only: Vec<Candidate> = pc.iter().map(|c| c.0.clone()).collect();
-        if let Some(r) = policy::pick(&cfg, &ask, &only) {
-            let (pi, _, _) = r.order[r.pick];
-            prefill_pod = Some(pc[pi].1.clone());
-            prefill_c = Some(pc[pi].0.clone());
+/// The pods that pass the Filter stage, with their cache facts and load, in pod-id
+/// order (so every selector, and every replica, sees them in the same order).
+fn candidates(
+    sc: &Sidecar,
+    pods: &Pods,
+    req: &RouteRequest,
+    facts: &Facts,
+    want: Option<Role>,
+    now: Instant,
+    cfg: &PolicyConfig,
+) -> Vec<(Candidate, Arc<str>)> {
+    let mut ids: Vec<&Arc<str>> = pods
+        .iter()
+        .filter(|(_, p)| p.reg.model == req.model)
+        .filter(|(_, p)| {
+            let f = PodFacts {
+                role: p.reg.role,
+                adapters: &p.reg.adapters,
+                breaker_open: p.breaker_open(now),
+            };
+            policy::admissible(&f, &req.adapter, want)
+        })
+        // Alive in the index (a pod in phase 1 of removal is already out).
+        .filter(|(id, _)| {
+            facts
+                .index
+                .as_ref()
+                .is_none_or(|ix| ix.handle(id).is_some())
+        })
+        .map(|(id, _)| id)
+        .collect();
+    ids.sort_unstable();
+    let ids: Vec<Arc<str>> = ids.into_iter().cloned().collect();
+    let loads = sc.ledger().views(&ids, facts.prefix_key, now, cfg);
+    let depth =
+        |ms: &[PodMatch], id: &str| ms.iter().find(|m| &*m.pod == id).map_or(0, |m| m.depth);
+    ids.into_iter()
+        .zip(loads)
+        .enumerate()
+        .filter_map(|(i, (id, load))| {
+            let p = pods.get(&id)?;
+            let c = Candidate {
+                id: i,
+                key: p.key,
+                matched: depth(&facts.confirmed, &id),
+                predicted: depth(&facts.predicted, &id),
+                tiers: None,
+                stale: p.stale,
+                load: p.load_view(load, now),
+            };
+            Some((c, id))
+        })
+        .collect()
+}
+
+/// Tier detail for the deepest few candidates only (it is kept off the lookup path).
+fn tier_hints(facts: &Facts, req: &RouteRequest, cands: &mut [(Candidate, Arc<str>)]) {
+    let Some(ix) = &facts.index else { return };
+    let mut by_depth: Vec<usize> = (0..cands.len())
+        .filter(|&i| cands[i].0.matched > 0)
+        .collect();
+    by_depth.sort_by_key(|&i| std::cmp::Reverse(cands[i].0.matched));
+    for &i in by_depth.iter().take(TIER_TOP) {
+        if let Some(m) = facts.confirmed.iter().find(|m| m.pod == cands[i].1) {
+            cands[i].0.tiers = Some(ix.tier_hint(m.slot, &req.chain, m.depth));
         }
     }
+}
 
-    // Project the load at once, before the engine can report it.
-    let cache_pod = prefill_c.as_ref().unwrap_or(&winner_c);
-    let cache_pod_id = prefill_pod.clone().unwrap_or_else(|| winner.clone());
-    let hit_blocks = cache_pod.matched.max(cache_pod.predicted) as u64;
-    let tokens_per_block = if req.mode == Mode::Tokens {
-        bs as u64
-    } else {
-        (bs as u64 / 4).max(1)
-    };
-    let expected_cached = (hit_blocks * tokens_per_block).min(req.prompt_tokens as u64);
-    let prefill_tokens = (req.prompt_tokens as u64).saturating_sub(expected_cached);
-    let blocks = prompt_blocks as u64;
-    let predicted_mode =
-        req.mode == Mode::Text || pods.get(&cache_pod_id).is_some_and(|p| !p.events_seen);
-    if !req.dry_run {
-        // The prompt's home is where it is prefilled and cached (the prefill pod of a
-        // disaggregated model); the decode pod holds the running request.
-        if let Some(p) = pods.get_mut(&cache_pod_id) {
-            p.projected.horizon.add(
-                crate::pods::clock(now),
-                prefill_tokens,
-                cfg.prefill_tokens_per_s,
-            );
-            p.projected
-                .recent
-                .add(crate::pods::clock(now), blocks, cfg.home_window_s);
-        }
-        if let Some(p) = pods.get_mut(&winner) {
-            p.projected.decode_blocks += blocks;
-            p.projected.inflight += 1;
-        }
+/// Record the decision in the ledger (under the registry lock, so a pod removed
+/// meanwhile cannot get load or predicted blocks after its removal) and guess the
+/// residency it creates where engines send no events. Returns the decision's external
+/// id and the deltas to broadcast.
+#[allow(clippy::too_many_arguments)]
+fn commit(
+    sc: &Sidecar,
+    pods: &mut Pods,
+    req: &RouteRequest,
+    facts: &Facts,
+    winner: (&Candidate, &Arc<str>),
+    prefill: Option<(&Candidate, &Arc<str>)>,
+    now: Instant,
+    cfg: &PolicyConfig,
+) -> (String, Vec<kvroute_shared::protocol::LoadDelta>) {
+    // The prompt's home is where it is prefilled and cached (the prefill pod of a
+    // disaggregated model); the decode pod holds the running request.
+    let (cache_c, cache_id) = prefill.unwrap_or(winner);
+    let hit_blocks = cache_c.matched.max(cache_c.predicted) as u64;
+    let expected_cached = (hit_blocks * facts.tokens_per_block).min(req.prompt_tokens as u64);
+    let predicted = req.mode == Mode::Text || pods.get(cache_id).is_some_and(|p| !p.events_seen);
+    sc.metrics.decisions.inc(winner.1, 1);
+    sc.metrics
+        .matched_blocks
+        .observe(winner.0.matched.max(cache_c.matched) as f64);
+    let (id, deltas) = sc.ledger().commit(
+        NewDecision {
+            model: req.model.clone(),
+            pod: winner.1.clone(),
+            prefill_pod: prefill.map(|p| p.1.clone()).filter(|p| p != winner.1),
+            prefill_tokens: (req.prompt_tokens as u64).saturating_sub(expected_cached),
+            blocks: facts.prompt_blocks as u64,
+            prefix: facts.prefix_key,
+            expected_cached,
+            predicted,
+            chain_blocks: req.chain.len() as u64,
+        },
+        now,
+        cfg,
+    );
+    if predicted {
+        sc.predicted.insert(
+            &req.model,
+            cache_id,
+            &req.chain,
+            cfg.predicted_capacity_blocks,
+            now,
+        );
     }
-    drop(pods);
+    (sc.ledger().external_id(id), deltas)
+}
 
-    let ranked: Vec<Ranked> = ranking
+#[allow(clippy::too_many_arguments)]
+fn answer(
+    sc: &Sidecar,
+    cfg: &PolicyConfig,
+    req: &RouteRequest,
+    facts: &Facts,
+    cands: &[(Candidate, Arc<str>)],
+    ranking: &Ranking,
+    winner: &Arc<str>,
+    winner_c: &Candidate,
+    prefill_pod: Option<Arc<str>>,
+    decision: Option<String>,
+) -> RouteResponse {
+    let _ = sc;
+    let ranked = ranking
         .order
         .iter()
         .map(|(i, s, _)| Ranked {
@@ -263,99 +451,31 @@ fn route_inner(sc: &Sidecar, req: &RouteRequest) -> Result<RouteResponse, RouteE
         })
         .collect();
     let tier_hint = winner_c.tiers.or_else(|| {
-        let ix = index.as_ref()?;
-        let m = confirmed.iter().find(|m| m.pod == winner)?;
+        let ix = facts.index.as_ref()?;
+        let m = facts.confirmed.iter().find(|m| m.pod == *winner)?;
         Some(ix.tier_hint(m.slot, &req.chain, m.depth))
     });
-    let explain = cfg.explain.then(|| {
-        json!(ranking.order.iter().map(|(i, s, ok)| json!({
-            "pod": &*cands[*i].1, "matched": cands[*i].0.matched, "predicted": cands[*i].0.predicted,
-            "stale": cands[*i].0.stale, "hits": round3(s.hits), "uncached": round3(s.uncached),
-            "queued_prefill_blocks": round3(s.queued_prefill), "decode_blocks": s.decode,
-            "inflight": cands[*i].0.load.inflight, "recent_blocks": round3(cands[*i].0.load.recent_blocks),
-            "within_balance": ok, "cost": round3(s.cost),
-        })).collect::<Vec<_>>())
-    });
-
-    if !req.dry_run {
-        sc.metrics.decisions.inc(&winner, 1);
-        sc.metrics
-            .matched_blocks
-            .observe(winner_c.matched.max(cache_pod.matched) as f64);
-        let id = req
-            .request_id
-            .clone()
-            .filter(|r| !r.is_empty())
-            .unwrap_or_else(|| sc.next_request_id());
-        let d = Decision {
-            pod: winner.clone(),
-            model: req.model.clone(),
-            prefill_tokens: if prefill_pod.as_ref().is_some_and(|pp| pp != &winner) {
-                0
-            } else {
-                prefill_tokens
-            },
-            blocks,
-            at: Instant::now(),
-            expected_cached,
-            predicted: predicted_mode,
-            chain_blocks: req.chain.len() as u64,
-            id: id.clone(),
-            inflight: true,
-            prefix: prefix_key,
-        };
-        if let Some(k) = prefix_key {
-            sc.prefix_add(k, &winner);
-        }
-        sc.broadcast(&d, LoadOp::Add);
-        sc.decisions.lock().insert(id.clone(), d);
-        if predicted_mode {
-            sc.predicted.insert(
-                &req.model,
-                &cache_pod_id,
-                &req.chain,
-                cfg.predicted_capacity_blocks,
-                Instant::now(),
-            );
-        }
-        // The prefill pod's pending prefill is released with the decision too.
-        if let Some(pp) = &prefill_pod {
-            if pp != &winner {
-                let pid = format!("{id}#prefill");
-                let d = Decision {
-                    pod: pp.clone(),
-                    model: req.model.clone(),
-                    prefill_tokens,
-                    blocks: 0,
-                    at: Instant::now(),
-                    expected_cached,
-                    predicted: predicted_mode,
-                    chain_blocks: 0,
-                    id: pid.clone(),
-                    inflight: false,
-                    prefix: None,
-                };
-                sc.broadcast(&d, LoadOp::Add);
-                sc.decisions.lock().insert(pid, d);
-            }
-        }
-    }
-    let _ = wscore;
-    Ok(RouteResponse {
+    let explain =
+        cfg.explain.then(|| {
+            json!(ranking.order.iter().map(|(i, s, ok)| {
+            let c = &cands[*i].0;
+            json!({
+                "pod": &*cands[*i].1, "matched": c.matched, "predicted": c.predicted,
+                "stale": c.stale, "hits": round3(s.hits), "uncached": round3(s.uncached),
+                "queued_prefill_blocks": round3(s.queued_prefill), "decode_blocks": s.decode,
+                "inflight": c.load.inflight, "recent_blocks": round3(c.load.recent_blocks),
+                "within_balance": ok, "cost": round3(s.cost),
+            })
+        }).collect::<Vec<_>>())
+        });
+    RouteResponse {
         pod: winner.to_string(),
+        decision,
         ranked,
         tier_hint,
         prefill_pod: prefill_pod.map(|p| p.to_string()),
         policy_version: cfg.version,
         explain,
-    })
-}
-
-fn adapter_note(a: &str) -> String {
-    if a.is_empty() {
-        String::new()
-    } else {
-        format!(" with adapter {a:?}")
     }
 }
 
@@ -363,71 +483,52 @@ fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
 
-/// Release the load a decision projected (report or timeout).
-pub fn release(sc: &Sidecar, d: &Decision, how: &str) {
-    let tps = sc.config().prefill_tokens_per_s;
-    let mut pods = sc.pods.lock();
-    if let Some(p) = pods.get_mut(&d.pod) {
-        p.projected
-            .horizon
-            .release(crate::pods::clock(Instant::now()), d.prefill_tokens, tps);
-        p.projected.decode_blocks = p.projected.decode_blocks.saturating_sub(d.blocks);
-        if d.inflight {
-            p.projected.inflight = p.projected.inflight.saturating_sub(1);
-        }
-    }
-    drop(pods);
-    if let (Some(k), true) = (d.prefix, d.inflight) {
-        sc.prefix_release(k, &d.pod);
-    }
-    sc.broadcast(d, LoadOp::Release);
-    sc.metrics.load_released.inc(how, 1);
-}
-
 /// A completion report from the filter.
 pub fn report(sc: &Sidecar, r: &CompletionReport) {
+    report_at(sc, r, Instant::now())
+}
+
+pub fn report_at(sc: &Sidecar, r: &CompletionReport, now: Instant) {
     sc.metrics.reports.fetch_add(1, Ordering::Relaxed);
     let cfg = sc.config();
-    let now = Instant::now();
-    let d = sc.decisions.lock().remove(&r.request_id);
-    if let Some(pd) = sc
-        .decisions
-        .lock()
-        .remove(&format!("{}#prefill", r.request_id))
-    {
-        release(sc, &pd, "report");
+    // Circuit breaker: consecutive server errors open it; a client abort (no status)
+    // says nothing about the pod.
+    if let Some(p) = sc.pods.lock().get_mut(r.pod.as_str()) {
+        p.record_status(
+            r.status,
+            cfg.breaker_failures,
+            std::time::Duration::from_secs(cfg.breaker_cooldown_s),
+            now,
+        );
     }
-    // Circuit breaker: consecutive server errors (5xx, or no status) open it.
-    {
-        let mut pods = sc.pods.lock();
-        if let Some(p) = pods.get_mut(r.pod.as_str()) {
-            if r.status >= 500 || r.status == 0 {
-                p.failures += 1;
-                if p.failures >= cfg.breaker_failures.max(1) {
-                    p.breaker_until =
-                        Some(now + std::time::Duration::from_secs(cfg.breaker_cooldown_s));
-                    p.failures = 0;
-                }
-            } else {
-                p.failures = 0;
-            }
-        }
-    }
-    let Some(d) = d else { return };
-    release(sc, &d, "report");
+    let released = match sc.ledger().parse_id(&r.decision) {
+        Some(id) => sc.ledger().release(id, now, &cfg),
+        None => None,
+    };
+    let outcome = match (&released, r.decision.is_empty()) {
+        (Some(_), _) => "released",
+        (None, true) => "none",
+        (None, false) => "unknown",
+    };
+    sc.metrics.report_decisions.inc(outcome, 1);
+    let Some((d, deltas)) = released else { return };
+    sc.metrics.load_released.inc(Release::Report.label(), 1);
+    sc.publish(deltas);
     if let Some(c) = r.cached_tokens {
         sc.metrics.cached_tokens.inc("reported", c as u64);
-        sc.metrics.cached_tokens.inc("predicted", d.expected_cached);
-        if d.predicted && &*d.pod == r.pod.as_str() {
-            let bs = cfg.block_size(&d.model, kvroute_shared::Mode::Tokens) as u64;
-            let mispredicted = (c as u64) + bs < d.expected_cached;
+        sc.metrics
+            .cached_tokens
+            .inc("predicted", d.d.expected_cached);
+        if d.d.predicted && &**d.cache_pod() == r.pod.as_str() {
+            let bs = cfg.block_size(&d.d.model, Mode::Tokens) as u64;
+            let mispredicted = (c as u64) + bs < d.d.expected_cached;
             if mispredicted {
                 sc.metrics.mispredictions.fetch_add(1, Ordering::Relaxed);
             }
             sc.predicted.feedback(
                 &r.pod,
                 mispredicted,
-                d.chain_blocks,
+                d.d.chain_blocks,
                 cfg.predicted_capacity_blocks,
             );
         }
@@ -437,7 +538,7 @@ pub fn report(sc: &Sidecar, r: &CompletionReport) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvroute_shared::protocol::{PodRegistration, PolicyConfig};
+    use kvroute_shared::protocol::{LoadOp, PodRegistration, PolicyConfig};
 
     /// A sidecar with the default policy and four registered pods of model "m"; the
     /// second value keeps its channels open.
@@ -452,17 +553,36 @@ mod tests {
         (sc, ch)
     }
 
-    /// A successful completion report.
-    fn done(sc: &Sidecar, request_id: &str, pod: &str) {
+    /// A completion report for a route answer.
+    fn done_with(sc: &Sidecar, answer: &RouteResponse, status: u16) {
         report(
             sc,
             &CompletionReport {
-                request_id: request_id.into(),
-                pod: pod.into(),
-                status: 200,
+                decision: answer.decision.clone().unwrap_or_default(),
+                pod: answer.pod.clone(),
+                status,
                 ..Default::default()
             },
         );
+    }
+
+    fn done(sc: &Sidecar, answer: &RouteResponse) {
+        done_with(sc, answer, 200)
+    }
+
+    fn tokens_req(chain: Vec<u64>, request_id: &str) -> RouteRequest {
+        RouteRequest {
+            model: "m".into(),
+            adapter: String::new(),
+            mode: Mode::Tokens,
+            block_size: 16,
+            prompt_tokens: chain.len() as u32 * 16,
+            chain,
+            request_id: Some(request_id.into()),
+            session: None,
+            role: None,
+            dry_run: false,
+        }
     }
 
     #[test]
@@ -472,20 +592,12 @@ mod tests {
         // queued prefill say nothing; only the work each pod drew lately tells them apart.
         let mut homes = std::collections::HashSet::new();
         for i in 0..4u64 {
-            let req = RouteRequest {
-                model: "m".into(),
-                adapter: String::new(),
-                mode: Mode::Tokens,
-                block_size: 16,
-                chain: (0..8).map(|b| 1000 * (i + 1) + b).collect(),
-                prompt_tokens: 8 * 16,
-                request_id: Some(format!("c{i}")),
-                session: None,
-                role: None,
-                dry_run: false,
-            };
+            let req = tokens_req(
+                (0..8).map(|b| 1000 * (i + 1) + b).collect(),
+                &format!("c{i}"),
+            );
             let d = route(&sc, &req).expect("route");
-            done(&sc, &format!("c{i}"), &d.pod);
+            done(&sc, &d);
             homes.insert(d.pod);
         }
         assert_eq!(homes.len(), 4, "{homes:?}");
@@ -509,32 +621,30 @@ mod tests {
             dry_run: false,
         };
         let first = route(&sc, &req(0)).expect("route");
-        assert!(
-            sc.prefix_load.lock().is_empty(),
+        assert_eq!(
+            sc.ledger().prefixes_in_flight(),
+            0,
             "a cold prompt has no prefix"
         );
+        let mut answers = vec![first.clone()];
         for i in 1..=3 {
-            route(&sc, &req(i)).expect("route");
+            answers.push(route(&sc, &req(i)).expect("route"));
         }
-        let held: u32 = sc
-            .prefix_load
-            .lock()
-            .values()
-            .flat_map(|m| m.values())
-            .sum();
+        let held: u32 = sc.ledger().prefix_inflight(8).values().sum();
         assert_eq!(held, 3);
         assert!(sc
-            .prefix_load
-            .lock()
-            .values()
-            .any(|m| m.contains_key(first.pod.as_str())));
-        for i in 0..=3 {
-            done(&sc, &format!("r{i}"), &first.pod);
+            .ledger()
+            .prefix_inflight(8)
+            .contains_key(first.pod.as_str()));
+        for a in &answers {
+            done(&sc, a);
         }
-        assert!(
-            sc.prefix_load.lock().is_empty(),
+        assert_eq!(
+            sc.ledger().prefixes_in_flight(),
+            0,
             "reports release every count"
         );
+        assert_eq!(sc.ledger().outstanding(), 0);
         // Another replica's decisions count too, and go with their release.
         let delta = |op, id: &str| kvroute_shared::protocol::LoadDelta {
             replica: "other".into(),
@@ -545,20 +655,127 @@ mod tests {
             prefill_tokens: 64,
             blocks: 9,
             prefix: Some(8),
+            inflight: true,
         };
-        let n = |sc: &Sidecar| {
-            sc.prefix_load
-                .lock()
-                .get(&8)
-                .and_then(|m| m.get("10.0.0.1:8000").copied())
-        };
+        let n = |sc: &Sidecar| sc.ledger().prefix_inflight(8).get("10.0.0.1:8000").copied();
         sc.apply_remote(&delta(LoadOp::Add, "x1"));
         sc.apply_remote(&delta(LoadOp::Add, "x2"));
-        assert_eq!(n(&sc), Some(2));
+        sc.apply_remote(&delta(LoadOp::Add, "x2"));
+        assert_eq!(n(&sc), Some(2), "a repeated add changes nothing");
         sc.apply_remote(&delta(LoadOp::Release, "x1"));
         sc.apply_remote(&delta(LoadOp::Release, "x1"));
         assert_eq!(n(&sc), Some(1), "a duplicate release changes nothing");
         sc.apply_remote(&delta(LoadOp::Release, "x2"));
-        assert!(sc.prefix_load.lock().is_empty());
+        assert_eq!(sc.ledger().prefixes_in_flight(), 0);
+        assert_eq!(sc.ledger().remote_count("10.0.0.1:8000"), 0);
+    }
+
+    /// A client's request id never names a ledger entry: twenty concurrent requests
+    /// with the same `x-request-id` are twenty decisions, each released by its own
+    /// report, and the pods end with nothing in flight.
+    #[test]
+    fn the_same_request_id_on_concurrent_requests_releases_every_decision() {
+        let (sc, _ch) = four_pods();
+        let answers: Vec<RouteResponse> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..20u64)
+                .map(|i| {
+                    let sc = &sc;
+                    s.spawn(move || {
+                        route(
+                            sc,
+                            &tokens_req((0..4).map(|b| 7000 + 10 * i + b).collect(), "same"),
+                        )
+                        .expect("route")
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("thread")).collect()
+        });
+        let ids: std::collections::HashSet<_> =
+            answers.iter().map(|a| a.decision.clone()).collect();
+        assert_eq!(ids.len(), 20, "every decision has its own id");
+        assert_eq!(sc.ledger().outstanding(), 20);
+        for a in &answers {
+            done(&sc, a);
+            done(&sc, a); // a repeated report releases nothing twice
+        }
+        assert_eq!(sc.ledger().outstanding(), 0);
+        let now = Instant::now();
+        let cfg = sc.config();
+        for p in 0..4 {
+            let v = sc
+                .ledger()
+                .view(&format!("10.0.0.{p}:8000"), None, now, &cfg);
+            assert_eq!((v.inflight, v.decode_blocks), (0, 0), "pod {p}: {v:?}");
+        }
+        // A report that names no decision, or another replica's, releases nothing.
+        let a = route(&sc, &tokens_req(vec![1, 2, 3], "same")).expect("route");
+        for decision in ["", "same", "0000000000000000-1"] {
+            report(
+                &sc,
+                &CompletionReport {
+                    decision: decision.into(),
+                    pod: a.pod.clone(),
+                    status: 200,
+                    ..Default::default()
+                },
+            );
+        }
+        assert_eq!(sc.ledger().outstanding(), 1);
+        // The twenty repeated reports and the two that name no decision of ours.
+        assert_eq!(sc.metrics.report_decisions.get("unknown"), 22);
+        assert_eq!(sc.metrics.report_decisions.get("none"), 1);
+    }
+
+    /// A client that gives up before any answer (the filter reports status 0) is not a
+    /// pod failure; server errors in a row still open the breaker.
+    #[test]
+    fn client_aborts_do_not_open_the_breaker() {
+        let (sc, _ch) = four_pods();
+        let cfg = sc.config();
+        let req = tokens_req(vec![11, 12, 13], "r");
+        let pod = route(&sc, &req).expect("route").pod;
+        for _ in 0..(cfg.breaker_failures * 3) {
+            let a = route(
+                &sc,
+                &RouteRequest {
+                    dry_run: false,
+                    ..req.clone()
+                },
+            )
+            .expect("route");
+            done_with(
+                &sc,
+                &RouteResponse {
+                    pod: pod.clone(),
+                    ..a
+                },
+                0,
+            );
+        }
+        let open = |sc: &Sidecar| {
+            sc.pods
+                .lock()
+                .get(pod.as_str())
+                .is_some_and(|p| p.breaker_open(Instant::now()))
+        };
+        assert!(!open(&sc), "aborts opened the breaker");
+        for _ in 0..cfg.breaker_failures {
+            let a = route(&sc, &req).expect("route");
+            done_with(
+                &sc,
+                &RouteResponse {
+                    pod: pod.clone(),
+                    ..a
+                },
+                502,
+            );
+        }
+        assert!(open(&sc), "server errors must open it");
+        assert_eq!(
+            sc.ledger().outstanding(),
+            1,
+            "every reported decision was released"
+        );
     }
 }

@@ -63,7 +63,12 @@ fn read_json<T: serde::de::DeserializeOwned>(path: &PathBuf, what: &str) -> anyh
     serde_json::from_slice(&text).with_context(|| format!("{what} {} is not valid", path.display()))
 }
 
-pub async fn run(a: ServeArgs) -> anyhow::Result<()> {
+/// Serve until `shutdown` resolves (the binary passes [`wait_for_signal`]; tests pass
+/// their own), then stop the listeners and every background task, and wait for them.
+pub async fn run(
+    a: ServeArgs,
+    shutdown_signal: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
     let cfg: PolicyConfig = match &a.config {
         Some(p) => read_json(p, "config file")?,
         None => PolicyConfig::default(),
@@ -100,7 +105,13 @@ pub async fn run(a: ServeArgs) -> anyhow::Result<()> {
             require_tls: a.nats_require_tls || a.nats_tls_ca.is_some(),
             tls_ca: a.nats_tls_ca.clone(),
         };
-        tasks.spawn(nats::run(sc.clone(), locks.clone(), o, stop_rx.clone()));
+        tasks.spawn(nats::run(
+            sc.clone(),
+            locks.clone(),
+            o,
+            ch.outbox,
+            stop_rx.clone(),
+        ));
     }
 
     let tcp_api = Api {
@@ -157,7 +168,7 @@ pub async fn run(a: ServeArgs) -> anyhow::Result<()> {
     // Tests and scripts read this line to learn the bound port.
     eprintln!("kvroute-sidecar: listening on {bound}");
 
-    wait_for_signal().await;
+    shutdown_signal.await;
     eprintln!("kvroute-sidecar: shutting down");
     drop(guard); // stops the background tasks and starts the graceful HTTP shutdown
     while let Some(r) = servers.join_next().await {
@@ -172,7 +183,8 @@ pub async fn run(a: ServeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub(crate) async fn wait_for_signal() {
+/// SIGTERM or SIGINT.
+pub async fn wait_for_signal() {
     use tokio::signal::unix::{signal, SignalKind};
     match (
         signal(SignalKind::terminate()),

@@ -1,22 +1,26 @@
 //! The sidecar's shared state: the confirmed index, predicted residency, the pod
-//! registry, the policy in force, outstanding decisions and metrics. Request handlers,
-//! the NATS consumer and the background cleaner all hold an `Arc<Sidecar>`.
+//! registry, the load ledger, the policy in force and metrics. Request handlers, the
+//! NATS consumer and the background cleaner all hold an `Arc<Sidecar>`.
 //!
 //! Data flows one way: events → [`crate::ingest`] → index and registry; route requests
-//! → [`crate::route`] (index lookup → policy → decision → load projection); reports →
-//! load release and prediction feedback. Work that must not run on a request's path
-//! (phase 2 of pod removal, dump fetches) is queued to background tasks.
+//! → [`crate::route`] (index lookup → policy → decision → ledger); reports → ledger
+//! release and prediction feedback. Work that must not run on a request's path (phase 2
+//! of pod removal, dump fetches, publishing load deltas) is queued to background tasks.
+//!
+//! Lock order, wherever two are held: `pods`, then the ledger; `tombstones` and the
+//! index locks are never held with either (docs/architecture.md).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvroute_shared::protocol::{PodRegistration, PolicyConfig};
+use kvroute_shared::protocol::{LoadDelta, PodRegistration, PolicyConfig};
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::mpsc;
 
 use crate::index::{Indexes, ModelIndex, Retired};
+use crate::ledger::{Ledger, Release};
 use crate::metrics::{Gauges, Metrics};
 use crate::pods::{Pod, Pods};
 use crate::predicted::Predicted;
@@ -35,56 +39,73 @@ pub struct ResyncJob {
     pub url: String,
 }
 
-/// A route decision whose load is still projected.
-#[derive(Debug, Clone)]
-pub struct Decision {
-    pub pod: Arc<str>,
-    pub model: String,
-    pub prefill_tokens: u64,
-    pub blocks: u64,
-    pub at: Instant,
-    /// Tokens the router expected the engine to find cached.
-    pub expected_cached: u64,
-    /// Residency of this pod was a guess (predicted mode).
-    pub predicted: bool,
-    pub chain_blocks: u64,
-    /// The decision's id (the request id, or one the sidecar made up).
-    pub id: String,
-    /// Counted in the pod's in-flight requests (false for a prefill pod's share).
-    pub inflight: bool,
-    /// The cached prefix the request was routed by (its last block), for the per-prefix
-    /// load bound.
-    pub prefix: Option<u64>,
-}
-
 pub struct Channels {
     pub cleanup: mpsc::UnboundedReceiver<CleanupJob>,
     pub resync: mpsc::UnboundedReceiver<ResyncJob>,
+    /// Load deltas for the other replicas; whoever takes it must call
+    /// [`Sidecar::enable_replica_sync`] (the NATS publisher, or the simulator).
+    pub outbox: mpsc::Receiver<LoadDelta>,
 }
+
+/// Load deltas waiting to be published. Bounded: while NATS is slow or down the newest
+/// are dropped and counted, so neither memory nor a route call waits on it (the other
+/// replicas expire what they miss after `load_timeout_s`).
+pub const OUTBOX_CAPACITY: usize = 4096;
 
 pub struct Sidecar {
     pub indexes: Indexes,
     pub predicted: Predicted,
-    pub pods: Mutex<Pods>,
+    pub(crate) pods: Mutex<Pods>,
     config: RwLock<Arc<PolicyConfig>>,
-    pub decisions: Mutex<HashMap<String, Decision>>,
-    /// In-flight decisions per routing prefix and pod (see `policy::pick`); an entry
-    /// lives only while some decision routed by that prefix is outstanding.
-    pub prefix_load: Mutex<HashMap<u64, HashMap<Arc<str>, u32>>>,
+    ledger: Ledger,
     /// Pods removed by an operator or by their own shutdown event, with the epoch they had:
     /// their events are refused until a new epoch (engine restart) or a new registration,
     /// so a deleted pod does not come back with its next load report.
-    pub tombstones: Mutex<HashMap<String, Option<String>>>,
+    pub(crate) tombstones: Mutex<HashMap<String, Option<String>>>,
     pub metrics: Metrics,
     cleanup_tx: mpsc::UnboundedSender<CleanupJob>,
     pub resync_tx: mpsc::UnboundedSender<ResyncJob>,
     pub nats_configured: AtomicBool,
-    next_id: AtomicU64,
     pub started: Instant,
-    /// Where this replica's decisions go to be broadcast (set while NATS runs).
-    pub load_tx: Mutex<Option<mpsc::UnboundedSender<kvroute_shared::protocol::LoadDelta>>>,
-    /// This replica's id (for load broadcasts between replicas).
-    pub replica: String,
+    outbox: mpsc::Sender<LoadDelta>,
+    /// Someone publishes the outbox (otherwise deltas are not even queued).
+    replica_sync: AtomicBool,
+}
+
+/// Why a pod registration was refused. `reason()` is the stable label.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RegisterError {
+    EmptyModel,
+    BadPodId(String),
+    /// The model already has the most pods one index holds.
+    ModelFull(String),
+}
+
+impl RegisterError {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            RegisterError::EmptyModel | RegisterError::BadPodId(_) => "bad_registration",
+            RegisterError::ModelFull(_) => "model_full",
+        }
+    }
+
+    /// 409 when the registration is fine but the model has no room, else 400.
+    pub fn status(&self) -> u16 {
+        match self {
+            RegisterError::ModelFull(_) => 409,
+            _ => 400,
+        }
+    }
+}
+
+impl std::fmt::Display for RegisterError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RegisterError::EmptyModel => f.write_str("model must not be empty"),
+            RegisterError::BadPodId(id) => write!(f, "pod id {id:?} must be host:port"),
+            RegisterError::ModelFull(m) => f.write_str(m),
+        }
+    }
 }
 
 /// Why a config update was refused.
@@ -99,6 +120,7 @@ impl Sidecar {
         cfg.validate()?;
         let (cleanup_tx, cleanup) = mpsc::unbounded_channel();
         let (resync_tx, resync) = mpsc::unbounded_channel();
+        let (outbox, outbox_rx) = mpsc::channel(OUTBOX_CAPACITY);
         let mut cfg = cfg;
         cfg.version = cfg.version.max(1);
         let metrics = Metrics::default();
@@ -114,19 +136,24 @@ impl Sidecar {
             predicted: Predicted::default(),
             pods: Mutex::new(Pods::new()),
             config: RwLock::new(Arc::new(cfg)),
-            decisions: Mutex::new(HashMap::new()),
-            prefix_load: Mutex::new(HashMap::new()),
+            ledger: Ledger::new(replica),
             tombstones: Mutex::new(HashMap::new()),
             metrics,
             cleanup_tx,
             resync_tx,
             nats_configured: AtomicBool::new(false),
-            next_id: AtomicU64::new(1),
             started: Instant::now(),
-            load_tx: Mutex::new(None),
-            replica,
+            outbox,
+            replica_sync: AtomicBool::new(false),
         };
-        Ok((Arc::new(sc), Channels { cleanup, resync }))
+        Ok((
+            Arc::new(sc),
+            Channels {
+                cleanup,
+                resync,
+                outbox: outbox_rx,
+            },
+        ))
     }
 
     pub fn config(&self) -> Arc<PolicyConfig> {
@@ -178,17 +205,23 @@ impl Sidecar {
         }
     }
 
-    pub fn next_request_id(&self) -> String {
-        format!("kvr-{}", self.next_id.fetch_add(1, Ordering::Relaxed))
+    /// The load ledger (read-only views and tests; routes and reports change it).
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    /// This replica's id (names its decisions and load deltas).
+    pub fn replica(&self) -> &str {
+        self.ledger.replica()
     }
 
     /// Register or update a pod (`PUT /v1/pods/{id}`).
-    pub fn register(&self, id: &str, reg: PodRegistration) -> Result<(), String> {
+    pub fn register(&self, id: &str, reg: PodRegistration) -> Result<(), RegisterError> {
         if reg.model.is_empty() {
-            return Err("model must not be empty".into());
+            return Err(RegisterError::EmptyModel);
         }
         if !valid_pod_id(id) {
-            return Err(format!("pod id {id:?} must be host:port"));
+            return Err(RegisterError::BadPodId(id.to_string()));
         }
         let now = Instant::now();
         self.tombstones.lock().remove(id);
@@ -213,27 +246,33 @@ impl Sidecar {
         self.index(&reg.model).join(id).map_err(|e| {
             self.metrics.pods_refused.fetch_add(1, Ordering::Relaxed);
             self.pods.lock().remove(id);
-            e.to_string()
+            RegisterError::ModelFull(e.to_string())
         })?;
         Ok(())
     }
 
     /// Two-phase removal: the pod is out of every later decision when this returns.
     pub fn remove_pod(&self, id: &str, reason: &str) -> bool {
-        let Some(pod) = self.pods.lock().remove(id) else {
-            return false;
+        self.remove_pod_at(id, reason, Instant::now())
+    }
+
+    pub fn remove_pod_at(&self, id: &str, reason: &str, now: Instant) -> bool {
+        let cfg = self.config();
+        let (pod, deltas) = {
+            let mut pods = self.pods.lock();
+            let Some(pod) = pods.remove(id) else {
+                return false;
+            };
+            // Under the registry lock: no route can commit to the pod after this.
+            (pod, self.ledger.forget_pod(id, now, &cfg))
         };
+        self.publish(deltas);
         if reason != "liveness" {
             self.tombstones
                 .lock()
                 .insert(id.to_string(), pod.epoch.clone());
         }
         self.drop_from_index(&pod.reg.model, id);
-        self.decisions.lock().retain(|_, d| &*d.pod != id);
-        self.prefix_load.lock().retain(|_, per_pod| {
-            per_pod.remove(id);
-            !per_pod.is_empty()
-        });
         self.metrics.pods_removed.inc(reason, 1);
         true
     }
@@ -249,87 +288,52 @@ impl Sidecar {
         }
     }
 
-    /// Broadcast a projected-load change to the other replicas (no-op without NATS).
-    pub fn broadcast(&self, d: &Decision, op: kvroute_shared::protocol::LoadOp) {
-        if let Some(tx) = self.load_tx.lock().as_ref() {
-            let _ = tx.send(kvroute_shared::protocol::LoadDelta {
-                replica: self.replica.clone(),
-                id: d.id.clone(),
-                pod: d.pod.to_string(),
-                model: d.model.clone(),
-                op,
-                prefill_tokens: d.prefill_tokens,
-                blocks: d.blocks,
-                prefix: d.prefix.filter(|_| d.inflight),
-            });
-        }
+    /// The outbox is published from now on (by the NATS task or a simulator).
+    pub fn enable_replica_sync(&self, on: bool) {
+        self.replica_sync.store(on, Ordering::Relaxed);
     }
 
-    /// Count one more in-flight request routed by prefix `k` on `pod`.
-    pub fn prefix_add(&self, k: u64, pod: &Arc<str>) {
-        *self
-            .prefix_load
-            .lock()
-            .entry(k)
-            .or_default()
-            .entry(pod.clone())
-            .or_insert(0) += 1;
-    }
-
-    /// Undo [`Sidecar::prefix_add`]; entries go when their count reaches zero.
-    pub fn prefix_release(&self, k: u64, pod: &str) {
-        let mut pl = self.prefix_load.lock();
-        if let Some(per_pod) = pl.get_mut(&k) {
-            if let Some(n) = per_pod.get_mut(pod) {
-                *n = n.saturating_sub(1);
-                if *n == 0 {
-                    per_pod.remove(pod);
-                }
-            }
-            if per_pod.is_empty() {
-                pl.remove(&k);
-            }
-        }
-    }
-
-    /// Apply another replica's load change.
-    pub fn apply_remote(&self, l: &kvroute_shared::protocol::LoadDelta) {
-        if l.replica == self.replica {
+    /// Queue load deltas for the other replicas; never waits.
+    pub(crate) fn publish(&self, deltas: Vec<LoadDelta>) {
+        if !self.replica_sync.load(Ordering::Relaxed) {
             return;
         }
-        let now = Instant::now();
+        for d in deltas {
+            let outcome = match self.outbox.try_send(d) {
+                Ok(()) => "queued",
+                Err(_) => "dropped_full",
+            };
+            self.metrics.replica_deltas.inc(outcome, 1);
+        }
+    }
+
+    /// Apply another replica's load change (for a pod this replica knows).
+    pub fn apply_remote(&self, l: &LoadDelta) {
+        self.apply_remote_at(l, Instant::now())
+    }
+
+    pub fn apply_remote_at(&self, l: &LoadDelta, now: Instant) {
         let cfg = self.config();
-        let tps = cfg.prefill_tokens_per_s;
-        let mut pods = self.pods.lock();
-        let Some(p) = pods.get_mut(l.pod.as_str()) else {
-            return;
+        let pods = self.pods.lock();
+        let applied = match pods.get_key_value(l.pod.as_str()) {
+            Some((id, _)) => self.ledger.apply_remote(id, l, now, &cfg),
+            None => false,
         };
-        let key = format!("{}/{}", l.replica, l.id);
-        match l.op {
-            kvroute_shared::protocol::LoadOp::Add => {
-                p.projected
-                    .horizon
-                    .add(crate::pods::clock(now), l.prefill_tokens, tps);
-                if let Some(k) = l.prefix {
-                    self.prefix_add(k, &p.id);
-                }
-                p.projected
-                    .recent
-                    .add(crate::pods::clock(now), l.blocks, cfg.home_window_s);
-                p.remote
-                    .insert(key, (now, l.prefill_tokens, l.blocks, l.prefix));
-            }
-            kvroute_shared::protocol::LoadOp::Release => {
-                if let Some((_, tokens, _, prefix)) = p.remote.remove(&key) {
-                    p.projected
-                        .horizon
-                        .release(crate::pods::clock(now), tokens, tps);
-                    if let Some(k) = prefix {
-                        self.prefix_release(k, &p.id);
-                    }
-                }
-            }
-        }
+        drop(pods);
+        self.metrics
+            .replica_deltas
+            .inc(if applied { "applied" } else { "ignored" }, 1);
+    }
+
+    /// Release projected load whose report never came (ours, or another replica's).
+    pub fn expire_load(&self, now: Instant) {
+        let cfg = self.config();
+        let timeout = std::time::Duration::from_secs(cfg.load_timeout_s);
+        let (gone, deltas) = self.ledger.expire(now, timeout, &cfg);
+        self.metrics
+            .load_released
+            .inc(Release::Timeout.label(), gone.len() as u64);
+        self.publish(deltas);
     }
 
     pub fn gauges(&self) -> Gauges {
@@ -349,7 +353,7 @@ impl Sidecar {
             g.index.push((m, s.entries, s.heap_bytes));
         }
         g.predicted_entries = self.predicted.entries();
-        g.inflight = self.decisions.lock().len() as u64;
+        g.inflight = self.ledger.outstanding() as u64;
         g
     }
 }

@@ -93,6 +93,7 @@ async fn route(State(st): State<Arc<SidecarState>>, body: Bytes) -> Response {
                     score: None,
                 }],
                 pod,
+                decision: Some(format!("stub-{n}")),
                 tier_hint: None,
                 prefill_pod: None,
                 policy_version: 1,

@@ -65,6 +65,5 @@ pub fn load_mooncake(path: &Path) -> anyhow::Result<Vec<Request>> {
 
 /// The Mooncake trace shipped in the repository (tests/data, with its attribution).
 pub fn default_trace() -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("data/mooncake_synthetic_trace.jsonl")
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/mooncake_synthetic_trace.jsonl")
 }

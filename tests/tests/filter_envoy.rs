@@ -316,6 +316,10 @@ async fn streams_pass_chunk_by_chunk_and_usage_is_reported() {
     })
     .expect("a completion report");
     assert_eq!(report.request_id, "req-42");
+    assert!(
+        report.decision.starts_with("stub-"),
+        "the report echoes the sidecar's decision id: {report:?}"
+    );
     assert_eq!(report.pod, rig.pod("b"));
     assert_eq!(
         (report.status, report.cached_tokens, report.prompt_tokens),

@@ -306,10 +306,12 @@ async fn reports_release_load_and_bounded_load_spreads_a_hot_prefix() {
     }
     // 40 concurrent requests share the prefix and nobody reports back yet.
     let mut counts = std::collections::HashMap::new();
+    let mut decisions = Vec::new();
     for i in 0..40 {
         let mut r = route_req(M, &sys, 16);
         r.request_id = Some(format!("r{i}"));
         let resp = api.post("/v1/route", &r).await;
+        decisions.push(resp.json["decision"].as_str().unwrap_or("").to_string());
         *counts
             .entry(resp.json["pod"].as_str().unwrap_or("").to_string())
             .or_insert(0) += 1;
@@ -323,7 +325,7 @@ async fn reports_release_load_and_bounded_load_spreads_a_hot_prefix() {
     assert_eq!(api.metric("kvroute_inflight_decisions").await, 40.0);
     // Reports release it: half one by one, half in a batch (as the filter sends them)
     // that also carries one malformed element, which is refused alone.
-    let report = |i: usize| json!({"request_id": format!("r{i}"), "pod": "127.0.0.1:8001", "status": 200, "cached_tokens": 1024});
+    let report = |i: usize| json!({"decision": decisions[i], "request_id": format!("r{i}"), "pod": "127.0.0.1:8001", "status": 200, "cached_tokens": 1024});
     for i in 0..20 {
         assert_eq!(api.post("/v1/report", report(i)).await.status, 204);
     }

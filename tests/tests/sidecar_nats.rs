@@ -220,10 +220,13 @@ async fn replicas_see_each_others_decisions() {
         until_connected(api).await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut decisions = Vec::new();
     for i in 0..10 {
         let mut r = kvroute_tests::client::route_req(M, &chain(M, 40 + i, 4, 16), 16);
         r.request_id = Some(format!("a{i}"));
-        assert_eq!(ra.post("/v1/route", &r).await.status, 200);
+        let resp = ra.post("/v1/route", &r).await;
+        assert_eq!(resp.status, 200);
+        decisions.push(resp.json["decision"].as_str().unwrap_or("").to_string());
     }
     let inflight = |api: Api| async move {
         let pods = api.get("/v1/pods").await.json;
@@ -245,8 +248,8 @@ async fn replicas_see_each_others_decisions() {
         "replica b sees a's 10 decisions",
     )
     .await;
-    for i in 0..10 {
-        ra.post("/v1/report", serde_json::json!({"request_id": format!("a{i}"), "pod": "127.0.0.1:8001", "status": 200})).await;
+    for (i, d) in decisions.iter().enumerate() {
+        ra.post("/v1/report", serde_json::json!({"decision": d, "request_id": format!("a{i}"), "pod": "127.0.0.1:8001", "status": 200})).await;
     }
     let b2 = rb.clone();
     eventually(

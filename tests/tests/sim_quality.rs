@@ -3,20 +3,10 @@
 //! keep max/mean pod load within bounds, and, averaged over four seeds, must have the
 //! lowest mean TTFT of all nine policies. Deterministic (virtual time, seeded).
 
-use kvroute_shared::protocol::PolicyConfig;
 use kvroute_tests::sim::{self, Policy, SimOpts};
 
 fn opts(block_tokens: u32, capacity: usize) -> SimOpts {
-    SimOpts {
-        pods: 8,
-        capacity_blocks: capacity,
-        block_tokens,
-        cost: sim::default_cost(),
-        event_delay_s: 0.05,
-        event_loss: 0.0,
-        seed: 1,
-        config: PolicyConfig::default(),
-    }
+    SimOpts::new(8, capacity, block_tokens)
 }
 
 fn check(label: &str, reqs: &[kvroute_tests::workload::Request], o: &SimOpts) {

@@ -76,6 +76,13 @@ enum Cmd {
         event_delay_ms: f64,
         #[arg(long, default_value_t = 0.0)]
         event_loss: f64,
+        /// Gateways (sidecar replicas) in front of the pods; with more than one, kvroute
+        /// is also shown with one gateway and without replica sync (herding).
+        #[arg(long, default_value_t = 1)]
+        gateways: usize,
+        /// Delay of load deltas between gateways.
+        #[arg(long, default_value_t = 20.0)]
+        delta_delay_ms: f64,
         /// Policy config JSON (default: the sidecar's defaults).
         #[arg(long)]
         config: Option<PathBuf>,
@@ -144,6 +151,8 @@ fn main() -> anyhow::Result<()> {
             svg,
             event_delay_ms,
             event_loss,
+            gateways,
+            delta_delay_ms,
             config,
         } => {
             use kvroute_tests::sim::{self, Policy, SimOpts};
@@ -205,12 +214,15 @@ fn main() -> anyhow::Result<()> {
                     event_loss,
                     seed,
                     config: config.clone(),
+                    gateways,
+                    delta_delay_s: delta_delay_ms / 1e3,
+                    replica_sync: true,
                 };
                 let res = sim::compare(label, reqs, &o, &policies);
                 if let Some(p) = &svg {
                     std::fs::write(p, sim::svg_bars(&format!("TTFT by policy: {label}"), &res))?;
                 }
-                last = res;
+                last.extend(res);
             }
             for r in &last[..last.len().saturating_sub(1)] {
                 println!("{}", r.json());

@@ -1,0 +1,510 @@
+//! The load ledger: the one owner of projected load — what the router has sent to each
+//! pod and not yet seen finish. It holds this replica's outstanding decisions, other
+//! replicas' decisions (their load deltas), in-flight requests per routing prefix, the
+//! prefill horizon and the recent work of every pod.
+//!
+//! Its rules, kept here and nowhere else:
+//! - a decision is added once, under an id the ledger issues (never a client's header),
+//!   and released at most once — by its report, its timeout, or its pod's removal;
+//! - every add of another replica's decision is keyed by (replica, id): a repeat is
+//!   ignored and a release undoes exactly the add it names;
+//! - a pod's entry goes with the pod ([`Ledger::forget_pod`]), with every decision on it.
+//!
+//! One mutex over all of it: a route reads the views of all candidates and commits its
+//! decision in one short critical section, so the projection it read is the one it
+//! changes. Lock order: the pod registry first, then the ledger (see
+//! docs/architecture.md); nothing here calls out while holding it.
+//!
+//! Every method takes `now`, so the simulator drives it on a virtual clock.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvroute_shared::protocol::{LoadDelta, LoadOp, PolicyConfig};
+use parking_lot::Mutex;
+
+use crate::policy::{LoadView, PrefillHorizon, RecentWork};
+
+/// Seconds on a process-wide monotonic clock, the time base of [`PrefillHorizon`] and
+/// [`RecentWork`].
+pub fn clock(now: Instant) -> f64 {
+    now.checked_duration_since(clock_origin())
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// The instant [`clock`] counts from (fixed at its first use). A simulator that starts
+/// its virtual time here gets the same clock readings on every run.
+pub fn clock_origin() -> Instant {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *START.get_or_init(Instant::now)
+}
+
+/// A decision as the route step hands it to the ledger.
+#[derive(Clone, Debug)]
+pub struct NewDecision {
+    pub model: String,
+    /// The pod that serves (decodes) the request.
+    pub pod: Arc<str>,
+    /// A separate pod that prefills and caches the prompt (disaggregated models).
+    pub prefill_pod: Option<Arc<str>>,
+    /// Prompt tokens the cache pod must prefill.
+    pub prefill_tokens: u64,
+    /// Prompt blocks (the decode pod holds them while the request runs).
+    pub blocks: u64,
+    /// The cached prefix the request was routed by (its last block).
+    pub prefix: Option<u64>,
+    /// Tokens the router expected the engine to find cached.
+    pub expected_cached: u64,
+    /// The cache pod's residency was a guess (predicted mode).
+    pub predicted: bool,
+    pub chain_blocks: u64,
+}
+
+/// An outstanding decision of this replica.
+#[derive(Clone, Debug)]
+pub struct Decision {
+    pub id: u64,
+    pub at: Instant,
+    pub d: NewDecision,
+}
+
+impl Decision {
+    /// The pod that prefills and caches the prompt.
+    pub fn cache_pod(&self) -> &Arc<str> {
+        self.d.prefill_pod.as_ref().unwrap_or(&self.d.pod)
+    }
+}
+
+/// Another replica's decision on one pod.
+#[derive(Clone, Copy, Debug)]
+struct RemoteShare {
+    at: Instant,
+    prefill_tokens: u64,
+    blocks: u64,
+    prefix: Option<u64>,
+    inflight: bool,
+}
+
+#[derive(Default, Debug)]
+struct PodLoad {
+    horizon: PrefillHorizon,
+    decode_blocks: u64,
+    inflight: u32,
+    recent: RecentWork,
+    remote: HashMap<(String, String), RemoteShare>,
+    /// Sums over `remote`, kept with it so a route reads them in O(1).
+    remote_blocks: u64,
+    remote_inflight: u32,
+}
+
+#[derive(Default)]
+struct Book {
+    pods: HashMap<Arc<str>, PodLoad>,
+    decisions: HashMap<u64, Decision>,
+    /// In-flight requests per routing prefix and pod; an entry lives while it is > 0.
+    prefixes: HashMap<u64, HashMap<Arc<str>, u32>>,
+}
+
+impl Book {
+    fn pod(&mut self, id: &Arc<str>) -> &mut PodLoad {
+        self.pods.entry(id.clone()).or_default()
+    }
+
+    fn prefix_add(&mut self, k: u64, pod: &Arc<str>) {
+        *self
+            .prefixes
+            .entry(k)
+            .or_default()
+            .entry(pod.clone())
+            .or_insert(0) += 1;
+    }
+
+    fn prefix_release(&mut self, k: u64, pod: &str) {
+        if let Some(per_pod) = self.prefixes.get_mut(&k) {
+            if let Some(n) = per_pod.get_mut(pod) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    per_pod.remove(pod);
+                }
+            }
+            if per_pod.is_empty() {
+                self.prefixes.remove(&k);
+            }
+        }
+    }
+
+    /// Undo a local decision's load (it has left `decisions` already).
+    fn unload(&mut self, d: &Decision, now: f64, tps: f64) {
+        let cache = d.cache_pod().clone();
+        if let Some(p) = self.pods.get_mut(&cache) {
+            p.horizon.release(now, d.d.prefill_tokens, tps);
+        }
+        if let Some(p) = self.pods.get_mut(&d.d.pod) {
+            p.decode_blocks = p.decode_blocks.saturating_sub(d.d.blocks);
+            p.inflight = p.inflight.saturating_sub(1);
+        }
+        if let Some(k) = d.d.prefix {
+            self.prefix_release(k, &d.d.pod);
+        }
+    }
+
+    fn remote_remove(&mut self, pod: &Arc<str>, key: &(String, String), now: f64, tps: f64) {
+        let Some(p) = self.pods.get_mut(pod) else {
+            return;
+        };
+        let Some(r) = p.remote.remove(key) else {
+            return;
+        };
+        p.horizon.release(now, r.prefill_tokens, tps);
+        p.remote_blocks = p.remote_blocks.saturating_sub(r.blocks);
+        if r.inflight {
+            p.remote_inflight = p.remote_inflight.saturating_sub(1);
+        }
+        if let Some(k) = r.prefix {
+            self.prefix_release(k, pod);
+        }
+    }
+}
+
+/// How a decision's load was released (a metric label).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Release {
+    Report,
+    Timeout,
+    PodRemoved,
+}
+
+impl Release {
+    pub fn label(self) -> &'static str {
+        match self {
+            Release::Report => "report",
+            Release::Timeout => "timeout",
+            Release::PodRemoved => "pod_removed",
+        }
+    }
+}
+
+pub struct Ledger {
+    book: Mutex<Book>,
+    /// This replica's id: names its decisions to the others and to the filter.
+    replica: String,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl Ledger {
+    pub fn new(replica: String) -> Ledger {
+        Ledger {
+            book: Mutex::new(Book::default()),
+            replica,
+            next: std::sync::atomic::AtomicU64::new(1),
+        }
+    }
+
+    pub fn replica(&self) -> &str {
+        &self.replica
+    }
+
+    /// The id the filter echoes in its report: `<replica>-<n>`, so a report from before
+    /// a restart (another replica id) can never release a new decision.
+    pub fn external_id(&self, id: u64) -> String {
+        format!("{}-{id}", self.replica)
+    }
+
+    /// The decision an external id names, if it is one of this replica's.
+    pub fn parse_id(&self, s: &str) -> Option<u64> {
+        let (replica, n) = s.rsplit_once('-')?;
+        (replica == self.replica).then(|| n.parse().ok()).flatten()
+    }
+
+    /// The projected part of a pod's load view (the registry adds the engine's own
+    /// report); `prefix` is the routing prefix of the request being routed.
+    pub fn view(
+        &self,
+        pod: &str,
+        prefix: Option<u64>,
+        now: Instant,
+        cfg: &PolicyConfig,
+    ) -> LoadView {
+        let book = self.book.lock();
+        view_of(&book, pod, prefix, now, cfg)
+    }
+
+    /// Views of several pods in one critical section.
+    pub fn views(
+        &self,
+        pods: &[Arc<str>],
+        prefix: Option<u64>,
+        now: Instant,
+        cfg: &PolicyConfig,
+    ) -> Vec<LoadView> {
+        let book = self.book.lock();
+        pods.iter()
+            .map(|p| view_of(&book, p, prefix, now, cfg))
+            .collect()
+    }
+
+    /// Add a decision's load; returns its id and the deltas to broadcast.
+    pub fn commit(
+        &self,
+        d: NewDecision,
+        now: Instant,
+        cfg: &PolicyConfig,
+    ) -> (u64, Vec<LoadDelta>) {
+        let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let t = clock(now);
+        let dec = Decision { id, at: now, d };
+        let mut book = self.book.lock();
+        let cache = dec.cache_pod().clone();
+        {
+            let p = book.pod(&cache);
+            p.horizon
+                .add(t, dec.d.prefill_tokens, cfg.prefill_tokens_per_s);
+            p.recent.add(t, dec.d.blocks, cfg.home_window_s);
+        }
+        {
+            let p = book.pod(&dec.d.pod);
+            p.decode_blocks += dec.d.blocks;
+            p.inflight += 1;
+        }
+        if let Some(k) = dec.d.prefix {
+            book.prefix_add(k, &dec.d.pod);
+        }
+        let deltas = self.deltas(&dec, LoadOp::Add);
+        book.decisions.insert(id, dec);
+        (id, deltas)
+    }
+
+    /// Release a decision once; `None` if it is not outstanding (released already,
+    /// expired, its pod removed, or never ours).
+    pub fn release(
+        &self,
+        id: u64,
+        now: Instant,
+        cfg: &PolicyConfig,
+    ) -> Option<(Decision, Vec<LoadDelta>)> {
+        let mut book = self.book.lock();
+        let d = book.decisions.remove(&id)?;
+        book.unload(&d, clock(now), cfg.prefill_tokens_per_s);
+        let deltas = self.deltas(&d, LoadOp::Release);
+        Some((d, deltas))
+    }
+
+    /// Release everything older than `timeout`: this replica's decisions whose report
+    /// never came, and other replicas' whose release never came (that replica died).
+    pub fn expire(
+        &self,
+        now: Instant,
+        timeout: Duration,
+        cfg: &PolicyConfig,
+    ) -> (Vec<Decision>, Vec<LoadDelta>) {
+        let (t, tps) = (clock(now), cfg.prefill_tokens_per_s);
+        let mut book = self.book.lock();
+        let old: Vec<u64> = book
+            .decisions
+            .values()
+            .filter(|d| now.saturating_duration_since(d.at) > timeout)
+            .map(|d| d.id)
+            .collect();
+        let mut gone = Vec::with_capacity(old.len());
+        let mut deltas = Vec::new();
+        for id in old {
+            if let Some(d) = book.decisions.remove(&id) {
+                book.unload(&d, t, tps);
+                deltas.extend(self.deltas(&d, LoadOp::Release));
+                gone.push(d);
+            }
+        }
+        let stale: Vec<(Arc<str>, (String, String))> = book
+            .pods
+            .iter()
+            .flat_map(|(id, p)| {
+                p.remote
+                    .iter()
+                    .filter(|(_, r)| now.saturating_duration_since(r.at) > timeout)
+                    .map(move |(k, _)| (id.clone(), k.clone()))
+            })
+            .collect();
+        for (pod, key) in stale {
+            book.remote_remove(&pod, &key, t, tps);
+        }
+        (gone, deltas)
+    }
+
+    /// Apply another replica's delta for a pod the caller knows. Returns whether it
+    /// changed anything (a repeated add or an unknown release does not).
+    pub fn apply_remote(
+        &self,
+        pod: &Arc<str>,
+        l: &LoadDelta,
+        now: Instant,
+        cfg: &PolicyConfig,
+    ) -> bool {
+        if l.replica == self.replica {
+            return false;
+        }
+        let (t, tps) = (clock(now), cfg.prefill_tokens_per_s);
+        let key = (l.replica.clone(), l.id.clone());
+        let mut book = self.book.lock();
+        match l.op {
+            LoadOp::Add => {
+                if book
+                    .pods
+                    .get(pod)
+                    .is_some_and(|p| p.remote.contains_key(&key))
+                {
+                    return false;
+                }
+                let share = RemoteShare {
+                    at: now,
+                    prefill_tokens: l.prefill_tokens,
+                    blocks: l.blocks,
+                    prefix: l.prefix.filter(|_| l.inflight),
+                    inflight: l.inflight,
+                };
+                if let Some(k) = share.prefix {
+                    book.prefix_add(k, pod);
+                }
+                let p = book.pod(pod);
+                p.horizon.add(t, l.prefill_tokens, tps);
+                p.recent.add(t, l.blocks, cfg.home_window_s);
+                p.remote_blocks += share.blocks;
+                if share.inflight {
+                    p.remote_inflight += 1;
+                }
+                p.remote.insert(key, share);
+                true
+            }
+            LoadOp::Release => {
+                let had = book
+                    .pods
+                    .get(pod)
+                    .is_some_and(|p| p.remote.contains_key(&key));
+                book.remote_remove(pod, &key, t, tps);
+                had
+            }
+        }
+    }
+
+    /// A pod left the registry: its load goes, and so does every decision it serves
+    /// (their releases are broadcast); a decision it only prefilled keeps its decode
+    /// share elsewhere.
+    pub fn forget_pod(&self, pod: &str, now: Instant, cfg: &PolicyConfig) -> Vec<LoadDelta> {
+        let (t, tps) = (clock(now), cfg.prefill_tokens_per_s);
+        let mut book = self.book.lock();
+        let serving: Vec<u64> = book
+            .decisions
+            .values()
+            .filter(|d| &*d.d.pod == pod)
+            .map(|d| d.id)
+            .collect();
+        let mut deltas = Vec::new();
+        for id in serving {
+            if let Some(d) = book.decisions.remove(&id) {
+                book.unload(&d, t, tps);
+                deltas.extend(self.deltas(&d, LoadOp::Release));
+            }
+        }
+        for d in book.decisions.values_mut() {
+            if d.d.prefill_pod.as_deref() == Some(pod) {
+                d.d.prefill_pod = None;
+                d.d.prefill_tokens = 0;
+            }
+        }
+        book.pods.remove(pod);
+        book.prefixes.retain(|_, per_pod| {
+            per_pod.remove(pod);
+            !per_pod.is_empty()
+        });
+        deltas
+    }
+
+    /// Outstanding decisions of this replica.
+    pub fn outstanding(&self) -> usize {
+        self.book.lock().decisions.len()
+    }
+
+    /// In-flight requests routed by prefix `k`, per pod (tests and the API).
+    pub fn prefix_inflight(&self, k: u64) -> HashMap<Arc<str>, u32> {
+        self.book
+            .lock()
+            .prefixes
+            .get(&k)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Routing prefixes with requests in flight.
+    pub fn prefixes_in_flight(&self) -> usize {
+        self.book.lock().prefixes.len()
+    }
+
+    /// Other replicas' decisions held for `pod`.
+    pub fn remote_count(&self, pod: &str) -> usize {
+        self.book.lock().pods.get(pod).map_or(0, |p| p.remote.len())
+    }
+
+    /// The deltas that tell other replicas about `d` (one per pod it loads).
+    fn deltas(&self, d: &Decision, op: LoadOp) -> Vec<LoadDelta> {
+        let id = self.external_id(d.id);
+        let mut v = Vec::with_capacity(2);
+        let split = d.d.prefill_pod.as_ref().filter(|p| **p != d.d.pod);
+        v.push(LoadDelta {
+            replica: self.replica.clone(),
+            id: id.clone(),
+            pod: d.d.pod.to_string(),
+            model: d.d.model.clone(),
+            op,
+            prefill_tokens: if split.is_some() {
+                0
+            } else {
+                d.d.prefill_tokens
+            },
+            blocks: d.d.blocks,
+            prefix: d.d.prefix,
+            inflight: true,
+        });
+        if let Some(pp) = split {
+            v.push(LoadDelta {
+                replica: self.replica.clone(),
+                id: format!("{id}#prefill"),
+                pod: pp.to_string(),
+                model: d.d.model.clone(),
+                op,
+                prefill_tokens: d.d.prefill_tokens,
+                blocks: 0,
+                prefix: None,
+                inflight: false,
+            });
+        }
+        v
+    }
+}
+
+fn view_of(
+    book: &Book,
+    pod: &str,
+    prefix: Option<u64>,
+    now: Instant,
+    cfg: &PolicyConfig,
+) -> LoadView {
+    let t = clock(now);
+    let prefix_inflight = prefix
+        .and_then(|k| book.prefixes.get(&k))
+        .and_then(|m| m.get(pod).copied())
+        .unwrap_or(0);
+    match book.pods.get(pod) {
+        Some(p) => LoadView {
+            pending_prefill_tokens: p.horizon.pending(t, cfg.prefill_tokens_per_s),
+            decode_blocks: p.decode_blocks + p.remote_blocks,
+            inflight: p.inflight + p.remote_inflight,
+            queued: 0,
+            prefix_inflight,
+            recent_blocks: p.recent.value(t, cfg.home_window_s),
+        },
+        None => LoadView {
+            prefix_inflight,
+            ..LoadView::default()
+        },
+    }
+}

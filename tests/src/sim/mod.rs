@@ -1,0 +1,474 @@
+//! `kvroute-bench sim`: a deterministic discrete-event simulation of P engine pods and
+//! G gateways (virtual time, seeded). Each gateway is a real [`Sidecar`] routing
+//! through the sidecar's own code — `route::route_with`, the ledger, `ingest_at`,
+//! `report_at` — on a virtual clock; only the pick differs between the policies
+//! compared ([`baselines`]). Nothing of the routing path is re-implemented here.
+//!
+//! Pod model (as `kvroute-engine-sim`): a request waits for a batch slot (FIFO, at most
+//! `max_batch` running), then for the pod's prefill lane (prefill is serialized), then
+//! decodes `output_tokens` steps of `decode_ms × (1 + 0.1 × running)`. TTFT is arrival to
+//! end of prefill. Pods' LRU caches emit stored/removed events that reach every gateway
+//! after `event_delay_s` (a fraction `event_loss` is lost); each pod's load (running,
+//! waiting) reaches them at once, as the bridges' load events would. A request's
+//! completion report goes back to the gateway that routed it. With several gateways,
+//! each one's load deltas reach the others after `delta_delay_s` (or never, with
+//! `replica_sync` off: the herding a router without replica sync shows).
+
+mod baselines;
+mod report;
+mod workloads;
+
+use std::cmp::Ordering as CmpOrdering;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvroute_shared::protocol::{
+    CompletionReport, Event, EventBatch, LoadDelta, PolicyConfig, RouteRequest, Tier,
+};
+use kvroute_shared::Mode;
+use kvroute_sidecar::ingest::{self, IngestLocks};
+use kvroute_sidecar::route::{self, Selector};
+use kvroute_sidecar::state::Sidecar;
+use serde_json::json;
+use tokio::sync::mpsc;
+
+use crate::bench::{Rng, Samples};
+use crate::cache::BlockCache;
+use crate::engine::CostModel;
+use crate::workload::Request;
+
+pub use baselines::Policy;
+pub use report::{by_policy, compare, infinite_cache_bound, svg_bars, Bound};
+pub use workloads::{default_rate, generated, WORKLOADS};
+
+/// The model name the simulated pods serve.
+const MODEL: &str = "sim";
+
+#[derive(Clone, Debug)]
+pub struct SimOpts {
+    pub pods: usize,
+    pub capacity_blocks: usize,
+    pub block_tokens: u32,
+    pub cost: CostModel,
+    pub event_delay_s: f64,
+    pub event_loss: f64,
+    pub seed: u64,
+    pub config: PolicyConfig,
+    /// Gateways (sidecar replicas) in front of the pods; requests arrive at them in turn.
+    pub gateways: usize,
+    /// Delay of load deltas between gateways.
+    pub delta_delay_s: f64,
+    /// Gateways exchange load deltas (off: each knows only its own decisions and the
+    /// engines' load reports).
+    pub replica_sync: bool,
+}
+
+impl SimOpts {
+    /// One gateway, 50 ms event delay, no loss, the default policy.
+    pub fn new(pods: usize, capacity_blocks: usize, block_tokens: u32) -> SimOpts {
+        SimOpts {
+            pods,
+            capacity_blocks,
+            block_tokens,
+            cost: default_cost(),
+            event_delay_s: 0.05,
+            event_loss: 0.0,
+            seed: 1,
+            config: PolicyConfig::default(),
+            gateways: 1,
+            delta_delay_s: 0.02,
+            replica_sync: true,
+        }
+    }
+}
+
+/// Figures of one policy on one workload.
+#[derive(Clone, Debug, Default)]
+pub struct SimResult {
+    pub policy: String,
+    pub workload: String,
+    pub gateways: usize,
+    pub hit_rate: f64,
+    pub ttft_mean_ms: f64,
+    pub ttft_p50_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub e2e_mean_ms: f64,
+    pub e2e_p99_ms: f64,
+    pub throughput_rps: f64,
+    pub max_mean_load: f64,
+}
+
+impl SimResult {
+    pub fn json(&self) -> serde_json::Value {
+        let r = |x: f64| (x * 1000.0).round() / 1000.0;
+        json!({"workload": self.workload, "gateways": self.gateways, "policy": self.policy,
+               "hit_rate": r(self.hit_rate), "ttft_mean_ms": r(self.ttft_mean_ms),
+               "ttft_p50_ms": r(self.ttft_p50_ms), "ttft_p99_ms": r(self.ttft_p99_ms), "e2e_mean_ms": r(self.e2e_mean_ms),
+               "e2e_p99_ms": r(self.e2e_p99_ms), "throughput_rps": r(self.throughput_rps), "max_mean_load": r(self.max_mean_load)})
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Ev {
+    Arrive(usize),
+    PrefillDone(usize, usize),
+    DecodeDone(usize, usize),
+    /// A pod's cache events reach the gateways (index into `pending_events`).
+    Visible(usize),
+    /// A load delta reaches gateway `.0` (index into `pending_deltas`).
+    Delta(usize, usize),
+}
+
+#[derive(PartialEq)]
+struct At(f64, u64, Ev);
+impl Eq for At {}
+impl PartialOrd for At {
+    fn partial_cmp(&self, o: &Self) -> Option<CmpOrdering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for At {
+    fn cmp(&self, o: &Self) -> CmpOrdering {
+        // Min-heap on (time, sequence).
+        o.0.total_cmp(&self.0).then(o.1.cmp(&self.1))
+    }
+}
+
+struct Pod {
+    id: String,
+    cache: BlockCache,
+    waiting: VecDeque<usize>,
+    prefill_queue: VecDeque<usize>,
+    lane_busy: bool,
+    running: usize,
+    assigned: u64,
+    /// Sequence number of the pod's next event batch.
+    seq: u64,
+}
+
+/// One simulated gateway: a sidecar, its ingest locks, its outbox and its selector.
+struct Gateway {
+    sc: Arc<Sidecar>,
+    locks: IngestLocks,
+    outbox: mpsc::Receiver<LoadDelta>,
+    selector: Box<dyn Selector>,
+}
+
+struct Sim<'a> {
+    o: &'a SimOpts,
+    reqs: &'a [Request],
+    pods: Vec<Pod>,
+    pod_of_id: HashMap<String, usize>,
+    gws: Vec<Gateway>,
+    heap: BinaryHeap<At>,
+    seq: u64,
+    /// Virtual time 0.
+    origin: Instant,
+    pending_events: Vec<(usize, Vec<u64>, Vec<u64>)>,
+    pending_deltas: Vec<Option<LoadDelta>>,
+    rng: Rng,
+    // Per request.
+    arrive: Vec<f64>,
+    pod_of: Vec<usize>,
+    gw_of: Vec<usize>,
+    decision: Vec<String>,
+    hit: Vec<u64>,
+    ttft: Vec<f64>,
+    done: Vec<f64>,
+}
+
+impl Sim<'_> {
+    fn push(&mut self, t: f64, e: Ev) {
+        self.seq += 1;
+        self.heap.push(At(t, self.seq, e));
+    }
+
+    fn at(&self, t: f64) -> Instant {
+        self.origin + Duration::from_secs_f64(t.max(0.0))
+    }
+
+    /// One batch from pod `k` to every gateway, as the event plane delivers it.
+    fn publish(&mut self, k: usize, events: Vec<Event>, t: f64) {
+        let p = &mut self.pods[k];
+        let batch = EventBatch {
+            v: 1,
+            pod: p.id.clone(),
+            model: MODEL.into(),
+            epoch: "sim".into(),
+            seq: p.seq,
+            ts: None,
+            dump_url: None,
+            events,
+        };
+        p.seq += 1;
+        let now = self.at(t);
+        for g in &self.gws {
+            let _ = ingest::ingest_at(&g.sc, &g.locks, &batch, now);
+        }
+    }
+
+    /// The engine's load report (running, waiting) after it changed.
+    fn report_load(&mut self, k: usize, t: f64) {
+        let p = &self.pods[k];
+        let ev = Event::Load {
+            running: p.running as u32,
+            waiting: p.waiting.len() as u32,
+            kv_usage: 0.0,
+            capacity_blocks: None,
+        };
+        self.publish(k, vec![ev], t);
+    }
+
+    /// Deltas gateway `g` queued go to every other gateway after the delay.
+    fn forward_deltas(&mut self, g: usize, t: f64) {
+        while let Ok(d) = self.gws[g].outbox.try_recv() {
+            if !self.o.replica_sync {
+                continue;
+            }
+            let id = self.pending_deltas.len();
+            self.pending_deltas.push(Some(d));
+            for other in (0..self.gws.len()).filter(|&x| x != g) {
+                self.push(t + self.o.delta_delay_s, Ev::Delta(other, id));
+            }
+        }
+    }
+
+    fn route(&mut self, i: usize, t: f64) -> usize {
+        let r = &self.reqs[i];
+        let g = i % self.gws.len();
+        self.gw_of[i] = g;
+        let req = RouteRequest {
+            model: MODEL.into(),
+            adapter: String::new(),
+            mode: Mode::Tokens,
+            block_size: self.o.block_tokens,
+            chain: r.chain.clone(),
+            prompt_tokens: r.input_tokens,
+            request_id: None,
+            session: r.session.map(|s| s.to_string()),
+            role: None,
+            dry_run: false,
+        };
+        let now = self.at(t);
+        let gw = &mut self.gws[g];
+        let k = match route::route_with(&gw.sc, &req, now, gw.selector.as_mut()) {
+            Ok(a) => {
+                self.decision[i] = a.decision.unwrap_or_default();
+                self.pod_of_id.get(&a.pod).copied().unwrap_or(0)
+            }
+            Err(_) => 0,
+        };
+        self.forward_deltas(g, t);
+        k
+    }
+
+    fn try_start(&mut self, k: usize, now: f64) {
+        let max = self.o.cost.max_batch.max(1);
+        while self.pods[k].running < max {
+            let Some(i) = self.pods[k].waiting.pop_front() else {
+                break;
+            };
+            self.pods[k].running += 1;
+            self.pods[k].prefill_queue.push_back(i);
+        }
+        if !self.pods[k].lane_busy {
+            if let Some(i) = self.pods[k].prefill_queue.pop_front() {
+                self.pods[k].lane_busy = true;
+                let r = &self.reqs[i];
+                let adm = self.pods[k].cache.admit(&r.chain);
+                let cached =
+                    (adm.hit_blocks as u64 * self.o.block_tokens as u64).min(r.input_tokens as u64);
+                self.hit[i] = adm.hit_blocks as u64;
+                let dur = self.o.cost.prefill_s(r.input_tokens as u64 - cached);
+                if !(adm.stored.is_empty() && adm.removed.is_empty())
+                    && self.rng.f64() >= self.o.event_loss
+                {
+                    self.pending_events.push((k, adm.stored, adm.removed));
+                    let id = self.pending_events.len() - 1;
+                    self.push(now + self.o.event_delay_s, Ev::Visible(id));
+                }
+                self.push(now + dur, Ev::PrefillDone(k, i));
+            }
+        }
+    }
+
+    fn run(&mut self) {
+        for (i, r) in self.reqs.iter().enumerate() {
+            self.push(r.ts_ms / 1e3, Ev::Arrive(i));
+        }
+        // Every pod announces its (empty) cache, so routers know it sends events.
+        for k in 0..self.pods.len() {
+            self.publish(k, vec![Event::Cleared], 0.0);
+        }
+        while let Some(At(now, _, ev)) = self.heap.pop() {
+            match ev {
+                Ev::Arrive(i) => {
+                    self.arrive[i] = now;
+                    let k = self.route(i, now);
+                    self.pod_of[i] = k;
+                    self.pods[k].assigned += 1;
+                    self.pods[k].waiting.push_back(i);
+                    self.try_start(k, now);
+                    self.report_load(k, now);
+                }
+                Ev::PrefillDone(k, i) => {
+                    self.ttft[i] = now - self.arrive[i];
+                    self.pods[k].lane_busy = false;
+                    let steps = self.reqs[i].output_tokens.max(1) as f64;
+                    let d = steps * self.o.cost.decode_step_s(self.pods[k].running);
+                    self.push(now + d, Ev::DecodeDone(k, i));
+                    self.try_start(k, now);
+                    self.report_load(k, now);
+                }
+                Ev::DecodeDone(k, i) => {
+                    self.done[i] = now;
+                    self.pods[k].running -= 1;
+                    let g = self.gw_of[i];
+                    let report = CompletionReport {
+                        decision: std::mem::take(&mut self.decision[i]),
+                        pod: self.pods[k].id.clone(),
+                        model: MODEL.into(),
+                        status: 200,
+                        cached_tokens: Some((self.hit[i] * self.o.block_tokens as u64) as u32),
+                        ..Default::default()
+                    };
+                    route::report_at(&self.gws[g].sc, &report, self.at(now));
+                    self.forward_deltas(g, now);
+                    self.try_start(k, now);
+                    self.report_load(k, now);
+                }
+                Ev::Visible(id) => {
+                    let (k, stored, removed) = std::mem::take(&mut self.pending_events[id]);
+                    let mut events = Vec::with_capacity(2);
+                    if !removed.is_empty() {
+                        events.push(Event::Removed {
+                            tier: Tier::Gpu,
+                            blocks: removed,
+                        });
+                    }
+                    if !stored.is_empty() {
+                        events.push(Event::Stored {
+                            tier: Tier::Gpu,
+                            parent: None,
+                            blocks: stored,
+                            tokens: None,
+                        });
+                    }
+                    self.publish(k, events, now);
+                }
+                Ev::Delta(g, id) => {
+                    if let Some(d) = &self.pending_deltas[id] {
+                        self.gws[g].sc.apply_remote_at(d, self.at(now));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The gateways' policy: `o.config` with the simulated model's block size.
+fn gateway_config(o: &SimOpts) -> PolicyConfig {
+    let mut cfg = o.config.clone();
+    let mut m = cfg.model(MODEL).clone();
+    m.block_size = o.block_tokens;
+    cfg.models.insert(MODEL.into(), m);
+    cfg
+}
+
+pub fn simulate(reqs: &[Request], o: &SimOpts, p: Policy) -> SimResult {
+    simulate_labelled(reqs, o, p, "")
+}
+
+/// [`simulate`], naming the workload in the result.
+pub fn simulate_labelled(reqs: &[Request], o: &SimOpts, p: Policy, workload: &str) -> SimResult {
+    let cfg = gateway_config(o);
+    let gws: Vec<Gateway> = (0..o.gateways.max(1))
+        .map(|g| {
+            let (sc, ch) = Sidecar::new(cfg.clone()).unwrap_or_else(|errs| {
+                panic!("the simulator's policy config is invalid: {errs:?}")
+            });
+            sc.enable_replica_sync(o.gateways > 1);
+            Gateway {
+                sc,
+                locks: IngestLocks::default(),
+                outbox: ch.outbox,
+                selector: p.selector(o.seed.wrapping_add(g as u64)),
+            }
+        })
+        .collect();
+    let pods: Vec<Pod> = (0..o.pods)
+        .map(|k| Pod {
+            id: format!("10.0.{}.{}:8000", k / 250, k % 250 + 1),
+            cache: BlockCache::new(o.capacity_blocks),
+            waiting: VecDeque::new(),
+            prefill_queue: VecDeque::new(),
+            lane_busy: false,
+            running: 0,
+            assigned: 0,
+            seq: 0,
+        })
+        .collect();
+    let n = reqs.len();
+    let mut s = Sim {
+        o,
+        reqs,
+        pod_of_id: pods
+            .iter()
+            .enumerate()
+            .map(|(k, p)| (p.id.clone(), k))
+            .collect(),
+        pods,
+        gws,
+        heap: BinaryHeap::new(),
+        seq: 0,
+        origin: kvroute_sidecar::ledger::clock_origin() + Duration::from_secs(1),
+        pending_events: Vec::new(),
+        pending_deltas: Vec::new(),
+        rng: Rng(o.seed),
+        arrive: vec![0.0; n],
+        pod_of: vec![0; n],
+        gw_of: vec![0; n],
+        decision: vec![String::new(); n],
+        hit: vec![0; n],
+        ttft: vec![0.0; n],
+        done: vec![0.0; n],
+    };
+    s.run();
+    let total_blocks: u64 = reqs.iter().map(|r| r.chain.len() as u64).sum();
+    let hits: u64 = s.hit.iter().sum();
+    let mut ttft = Samples(s.ttft.iter().map(|t| (t * 1e6) as u64).collect());
+    let mut e2e = Samples(
+        s.done
+            .iter()
+            .zip(&s.arrive)
+            .map(|(d, a)| ((d - a) * 1e6) as u64)
+            .collect(),
+    );
+    let span = s.done.iter().copied().fold(0.0, f64::max)
+        - s.arrive.iter().copied().fold(f64::INFINITY, f64::min);
+    let loads: Vec<f64> = s.pods.iter().map(|p| p.assigned as f64).collect();
+    let mean = loads.iter().sum::<f64>() / loads.len().max(1) as f64;
+    SimResult {
+        policy: p.name().to_string(),
+        workload: workload.to_string(),
+        gateways: o.gateways.max(1),
+        hit_rate: hits as f64 / total_blocks.max(1) as f64,
+        ttft_mean_ms: ttft.mean() / 1e3,
+        ttft_p50_ms: ttft.pct(50.0) as f64 / 1e3,
+        ttft_p99_ms: ttft.pct(99.0) as f64 / 1e3,
+        e2e_mean_ms: e2e.mean() / 1e3,
+        e2e_p99_ms: e2e.pct(99.0) as f64 / 1e3,
+        throughput_rps: n as f64 / span.max(1e-9),
+        max_mean_load: loads.iter().copied().fold(0.0, f64::max) / mean.max(1e-9),
+    }
+}
+
+/// The simulator's default pod: 10k prefill tokens/s, 10 ms decode steps, batch 16.
+pub fn default_cost() -> CostModel {
+    CostModel {
+        prefill_tps: 10_000.0,
+        decode_ms: 10.0,
+        max_batch: 16,
+    }
+}

@@ -1,0 +1,110 @@
+//! The simulator's generated workloads: request streams shaped like the shared-prefix,
+//! prefix-cache and multi-round QA benchmarks other routers publish, with Poisson
+//! arrivals, in blocks of `block_tokens` tokens.
+
+use crate::bench::Rng;
+use crate::workload::Request;
+
+/// Generated workloads after the shapes SGLang's, llm-d's and the multi-round QA benchmarks use, in blocks of `block_tokens` tokens.
+pub fn generated(name: &str, block_tokens: u32, rate_rps: f64, seed: u64) -> Option<Vec<Request>> {
+    let mut rng = Rng(seed);
+    let mut id = seed << 40;
+    let mut fresh = |n: u32| -> Vec<u64> {
+        (0..n.div_ceil(block_tokens))
+            .map(|_| {
+                id += 1;
+                crate::workload::id_hash(id)
+            })
+            .collect()
+    };
+    let mut reqs = Vec::new();
+    match name {
+        // SGLang generated shared prefix: 64 groups x 16 prompts, 2048-token system
+        // prompt, 128-token question, 256 output tokens.
+        "sglang-shared-prefix" => {
+            let groups: Vec<Vec<u64>> = (0..64).map(|_| fresh(2048)).collect();
+            for _ in 0..16 {
+                for g in &groups {
+                    let mut c = g.clone();
+                    c.extend(fresh(128));
+                    reqs.push(Request {
+                        ts_ms: 0.0,
+                        input_tokens: 2048 + 128,
+                        output_tokens: 256,
+                        chain: c,
+                        session: None,
+                    });
+                }
+            }
+            shuffle(&mut reqs, &mut rng);
+        }
+        // llm-d's prefix-cache guide: 150 groups x 5 prompts, 6000 prefix, 1200 question, 1000 output.
+        "llmd-prefix" => {
+            let groups: Vec<Vec<u64>> = (0..150).map(|_| fresh(6000)).collect();
+            for _ in 0..5 {
+                for g in &groups {
+                    let mut c = g.clone();
+                    c.extend(fresh(1200));
+                    reqs.push(Request {
+                        ts_ms: 0.0,
+                        input_tokens: 7200,
+                        output_tokens: 1000,
+                        chain: c,
+                        session: None,
+                    });
+                }
+            }
+            shuffle(&mut reqs, &mut rng);
+        }
+        // Multi-round QA: 64 users x 6 rounds, a shared 1000-token system prompt, each
+        // round adds a 100-token question and a 200-token answer to the history.
+        "multiround-qa" => {
+            let system = fresh(1000);
+            let mut hist: Vec<Vec<u64>> = (0..64).map(|_| system.clone()).collect();
+            for _round in 0..6 {
+                let mut round = Vec::new();
+                for (u, h) in hist.iter_mut().enumerate() {
+                    h.extend(fresh(100));
+                    let toks = h.len() as u32 * block_tokens;
+                    round.push(Request {
+                        ts_ms: 0.0,
+                        input_tokens: toks,
+                        output_tokens: 200,
+                        chain: h.clone(),
+                        session: Some(u as u64 + 1),
+                    });
+                    h.extend(fresh(200));
+                }
+                // Users take their turns in a different order each round.
+                shuffle(&mut round, &mut rng);
+                reqs.extend(round);
+            }
+        }
+        _ => return None,
+    }
+    // Poisson arrivals.
+    let mut t = 0.0;
+    for r in reqs.iter_mut() {
+        t += -(1.0 - rng.f64()).ln() / rate_rps * 1e3;
+        r.ts_ms = t;
+    }
+    Some(reqs)
+}
+
+fn shuffle<T>(v: &mut [T], rng: &mut Rng) {
+    for i in (1..v.len()).rev() {
+        let j = rng.below(i + 1);
+        v.swap(i, j);
+    }
+}
+
+pub const WORKLOADS: [&str; 3] = ["sglang-shared-prefix", "llmd-prefix", "multiround-qa"];
+
+/// Arrival rates that load 8 default pods to roughly two thirds of their capacity.
+pub fn default_rate(name: &str) -> f64 {
+    match name {
+        "sglang-shared-prefix" => 10.0,
+        "llmd-prefix" => 2.5,
+        _ => 10.0,
+    }
+}
