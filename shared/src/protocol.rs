@@ -471,6 +471,11 @@ pub struct PolicyConfig {
     /// bounded-load guard while any candidate has none: there a new request would wait
     /// for decodes to finish, which no cache hit repays.
     pub full_batch_guard: bool,
+    /// Pods whose cost is within this much of the best (in blocks of prefill) are equals,
+    /// and the request's tie key picks among them. Replicas that route concurrent cold
+    /// requests before hearing of each other's decisions then spread them instead of all
+    /// sending them to the one pod that looks idlest (0 = strict argmin).
+    pub near_tie_cost: f64,
     /// 0 = argmin; > 0 samples from softmax(−cost / temperature).
     pub temperature: f64,
     /// Carry the per-pod breakdown in route answers (leaks cache state: off by default).
@@ -515,6 +520,7 @@ impl Default for PolicyConfig {
             home_window_s: 10.0,
             hot_prefix_per_pod: 1.0,
             full_batch_guard: true,
+            near_tie_cost: 3.0,
             temperature: 0.0,
             explain: false,
             predicted_ttl_s: 120,
@@ -546,6 +552,7 @@ impl PolicyConfig {
         finite_nonneg("prefix_balance_slack", self.prefix_balance_slack);
         finite_nonneg("home_weight", self.home_weight);
         finite_nonneg("hot_prefix_per_pod", self.hot_prefix_per_pod);
+        finite_nonneg("near_tie_cost", self.near_tie_cost);
         finite_nonneg("temperature", self.temperature);
         for (tier, c) in &self.tier_cost {
             if !(0.0..=1.0).contains(c) {

@@ -100,6 +100,8 @@ struct PodLoad {
 
 #[derive(Default)]
 struct Book {
+    /// When another replica's delta last arrived.
+    peer_seen: Option<Instant>,
     pods: HashMap<Arc<str>, PodLoad>,
     decisions: HashMap<u64, Decision>,
     /// In-flight requests per routing prefix and pod; an entry lives while it is > 0.
@@ -191,6 +193,9 @@ pub struct Ledger {
     replica: String,
     next: std::sync::atomic::AtomicU64,
 }
+
+/// Another replica is taken to share our pods while its deltas arrived this recently.
+const PEER_FRESH: Duration = Duration::from_secs(30);
 
 impl Ledger {
     pub fn new(replica: String) -> Ledger {
@@ -346,6 +351,7 @@ impl Ledger {
         let (t, tps) = (clock(now), cfg.prefill_tokens_per_s);
         let key = (l.replica.clone(), l.id.clone());
         let mut book = self.book.lock();
+        book.peer_seen = Some(book.peer_seen.map_or(now, |t| t.max(now)));
         match l.op {
             LoadOp::Add => {
                 if book
@@ -417,6 +423,14 @@ impl Ledger {
             !per_pod.is_empty()
         });
         deltas
+    }
+
+    /// Other replicas route to the same pods (their deltas arrived lately).
+    pub fn has_peers(&self, now: Instant) -> bool {
+        self.book
+            .lock()
+            .peer_seen
+            .is_some_and(|t| now.saturating_duration_since(t) < PEER_FRESH)
     }
 
     /// Outstanding decisions of this replica.

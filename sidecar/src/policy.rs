@@ -115,6 +115,9 @@ pub struct Ask {
     pub seed: u64,
     /// Ignore cache hits (choosing a decode pod of a disaggregated model).
     pub load_only: bool,
+    /// Other replicas route to the same pods: treat costs within `near_tie_cost` of the
+    /// best as ties (see [`pick`]).
+    pub spread_ties: bool,
 }
 
 /// The per-pod breakdown of a cost.
@@ -282,9 +285,37 @@ pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Rankin
     let pick = if cfg.temperature > 0.0 {
         softmax_pick(cfg.temperature, ask.seed, &order, eligible)
     } else {
-        order.iter().position(eligible).unwrap_or(0)
+        let margin = if ask.spread_ties {
+            cfg.near_tie_cost
+        } else {
+            0.0
+        };
+        near_tie_pick(margin, ask.tie_key, cands, &order, eligible)
     };
     Some(Ranking { order, pick })
+}
+
+/// The best eligible candidate, or, among the eligible ones within `margin` of its
+/// cost, the one the tie key's rendezvous hash prefers.
+fn near_tie_pick(
+    margin: f64,
+    tie_key: u64,
+    cands: &[Candidate],
+    order: &[(usize, Score, bool)],
+    eligible: impl Fn(&(usize, Score, bool)) -> bool,
+) -> usize {
+    let Some(best) = order.iter().position(&eligible) else {
+        return 0;
+    };
+    if margin <= 0.0 {
+        return best;
+    }
+    let limit = order[best].1.cost + margin;
+    (best..order.len())
+        .take_while(|&i| order[i].1.cost <= limit)
+        .filter(|&i| eligible(&order[i]))
+        .max_by_key(|&i| rendezvous(tie_key, cands[order[i].0].key))
+        .unwrap_or(best)
 }
 
 fn softmax_pick(
@@ -382,6 +413,7 @@ mod tests {
             tie_key: 42,
             seed: 1,
             load_only: false,
+            spread_ties: false,
         }
     }
 
@@ -655,5 +687,41 @@ mod tests {
             "",
             None
         ));
+    }
+
+    /// With peers routing to the same pods, costs within `near_tie_cost` of the best are
+    /// ties the request's own key breaks, so concurrent cold requests that replicas place
+    /// before hearing of each other spread; alone, the strict argmin stands.
+    #[test]
+    fn near_ties_spread_by_tie_key_only_when_replicas_share_the_pods() {
+        let cfg = PolicyConfig::default();
+        let c: Vec<_> = (0..8)
+            .map(|i| with_load(cand(i, 0, 0, 0), |l| l.recent_blocks = i as f64))
+            .collect();
+        let mut alone = std::collections::HashSet::new();
+        let mut shared = std::collections::HashSet::new();
+        for tie in 0..64u64 {
+            let a = Ask {
+                tie_key: tie,
+                ..ask(8)
+            };
+            let r = pick(&cfg, &a, &c).expect("pick");
+            alone.insert(r.order[r.pick].0);
+            let r = pick(
+                &cfg,
+                &Ask {
+                    spread_ties: true,
+                    ..a
+                },
+                &c,
+            )
+            .expect("pick");
+            let chosen = r.order[r.pick].0;
+            // Only pods whose cost is within the margin of the best are candidates.
+            assert!(r.order[r.pick].1.cost <= r.order[0].1.cost + cfg.near_tie_cost);
+            shared.insert(chosen);
+        }
+        assert_eq!(alone, std::collections::HashSet::from([0]));
+        assert!(shared.len() > 1, "{shared:?}");
     }
 }

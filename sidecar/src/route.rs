@@ -142,6 +142,7 @@ pub fn route_with(
         tie_key: facts.tie_key,
         seed: facts.tie_key ^ (crate::ledger::clock(now) * 1e9) as u64,
         load_only: false,
+        spread_ties: sc.ledger().has_peers(now),
     };
     let mut pods = sc.pods.lock();
     let disaggregated = req.role.is_none() && disaggregated(&pods, &req.model);

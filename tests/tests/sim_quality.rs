@@ -158,3 +158,63 @@ fn the_simulation_is_deterministic() {
     let b = sim::simulate(&reqs, &opts(16, 4096), Policy::Kvroute);
     assert_eq!(a.json(), b.json());
 }
+
+/// Four gateways whose load deltas reach each other after 20 ms route as well as one
+/// (mean and p99 TTFT within 5%, seeds 1-4 averaged), where gateways without replica sync
+/// herd: multi-round conversations pile onto few pods and group prompts queue.
+#[test]
+fn four_gateways_with_replica_sync_route_as_well_as_one_and_without_it_herd() {
+    for w in sim::WORKLOADS {
+        let (mut one, mut four, mut nosync) = ([0.0; 3], [0.0; 3], [0.0; 3]);
+        for seed in 1..=4 {
+            let reqs = sim::generated(w, 16, sim::default_rate(w), seed).expect("workload");
+            let o = SimOpts {
+                seed,
+                gateways: 4,
+                delta_delay_s: 0.02,
+                ..opts(16, 16384)
+            };
+            let runs = [
+                (
+                    &mut one,
+                    SimOpts {
+                        gateways: 1,
+                        ..o.clone()
+                    },
+                ),
+                (&mut four, o.clone()),
+                (
+                    &mut nosync,
+                    SimOpts {
+                        replica_sync: false,
+                        ..o.clone()
+                    },
+                ),
+            ];
+            for (acc, o) in runs {
+                let r = sim::simulate(&reqs, &o, Policy::Kvroute);
+                acc[0] += r.ttft_mean_ms / 4.0;
+                acc[1] += r.ttft_p99_ms / 4.0;
+                acc[2] += r.max_mean_load / 4.0;
+            }
+        }
+        eprintln!(
+            "{w}: (mean, p99, max/mean) 1 gateway {one:?}, 4 {four:?}, 4 without sync {nosync:?}"
+        );
+        assert!(
+            four[0] <= one[0] * 1.05,
+            "{w}: mean {} vs {}",
+            four[0],
+            one[0]
+        );
+        assert!(
+            four[1] <= one[1] * 1.05,
+            "{w}: p99 {} vs {}",
+            four[1],
+            one[1]
+        );
+        assert!(four[2] <= 1.3, "{w}: max/mean {}", four[2]);
+        let herded = nosync[2] > 1.5 || nosync[1] > four[1] * 1.1;
+        assert!(herded, "{w}: without replica sync {nosync:?} vs {four:?}");
+    }
+}
