@@ -1,6 +1,7 @@
 //! Event ingestion over a real nats-server: events reach the index, restarts and gaps are
 //! handled (resync from a pod's dump), duplicates are no-ops, and a NATS outage degrades
-//! readiness without stopping the service, which reconnects and keeps ingesting.
+//! readiness without stopping the service, which reconnects and keeps ingesting; a long
+//! outage under load blocks nothing and grows nothing.
 
 use std::time::Duration;
 
@@ -260,4 +261,136 @@ async fn replicas_see_each_others_decisions() {
         "and their releases",
     )
     .await;
+}
+
+/// Resident memory of a process, bytes.
+fn rss_bytes(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .unwrap_or(0)
+        * 1024
+}
+
+/// NATS down for 60 s while the gateway keeps routing: routes, reports and events over
+/// HTTP go on (the index keeps changing), the load deltas that cannot be published are
+/// dropped and counted instead of queueing without bound, memory stays flat, and SIGTERM
+/// still ends the sidecar within 2 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_nats_outage_under_load_blocks_nothing_and_grows_nothing() {
+    let mut nats = Nats::start().expect("nats");
+    let mut sc = SidecarProc::start(&["--nats", &nats.url()], false).expect("sidecar");
+    let api = Api::new(sc.addr);
+    let pods = ["127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"];
+    for p in pods {
+        api.register(p, M).await;
+    }
+    until_connected(&api).await;
+    nats.stop();
+    let a = api.clone();
+    eventually(
+        move || {
+            let a = a.clone();
+            Box::pin(async move { a.metric("kvroute_nats_connected").await == 0.0 })
+        },
+        "nats disconnected",
+    )
+    .await;
+
+    let outage = Duration::from_secs(60);
+    let t0 = std::time::Instant::now();
+    // Two clients route and report as fast as the sidecar answers.
+    let clients: Vec<_> = (0..2u32)
+        .map(|c| {
+            let api = api.clone();
+            tokio::spawn(async move {
+                let mut n = 0u64;
+                while t0.elapsed() < outage {
+                    let ch = chain(M, c * 1000 + (n % 64) as u32, 8, 16);
+                    let r = api.post("/v1/route", kvroute_tests::client::route_req(M, &ch, 16)).await;
+                    assert_eq!(r.status, 200, "{}", r.json);
+                    let report = serde_json::json!({"decision": r.json["decision"], "pod": r.json["pod"], "status": 200});
+                    assert_eq!(api.post("/v1/report", report).await.status, 204);
+                    n += 1;
+                    // Bounded: a few hundred decisions a second, enough to fill every
+                    // queue on the way to NATS many times over.
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                n
+            })
+        })
+        .collect();
+    // Meanwhile engines' events arrive over HTTP and change the index.
+    let mut seq = 0u64;
+    let mut rss = Vec::new();
+    while t0.elapsed() < outage {
+        let blocks = chain(M, 50_000 + seq as u32, 4, 16);
+        let r = api
+            .events(&batch(
+                pods[(seq % 3) as usize],
+                M,
+                "e",
+                seq / 3,
+                vec![stored(&blocks)],
+            ))
+            .await;
+        assert_eq!(r.status, 200, "{}", r.json);
+        let held = api
+            .post(
+                "/v1/lookup",
+                serde_json::json!({"model": M, "chain": blocks}),
+            )
+            .await
+            .json;
+        assert_eq!(
+            held["confirmed"][0]["matched_blocks"], 4,
+            "event {seq} reached the index: {held}"
+        );
+        seq += 1;
+        if seq % 20 == 0 {
+            rss.push((t0.elapsed().as_secs_f64(), rss_bytes(sc.pid())));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut routed = 0;
+    for c in clients {
+        routed += c.await.expect("client");
+    }
+    let deltas = |o: &'static str| {
+        let api = api.clone();
+        async move {
+            api.metric(&format!("kvroute_replica_deltas_total{{outcome=\"{o}\"}}"))
+                .await
+        }
+    };
+    let (queued, dropped, failed) = (
+        deltas("queued").await,
+        deltas("dropped_full").await,
+        deltas("publish_failed").await,
+    );
+    eprintln!(
+        "outage: {routed} routes, {seq} event batches, deltas queued {queued} dropped {dropped} publish_failed {failed}, rss (s, bytes) {rss:?}"
+    );
+    assert!(routed > 2000, "routing went on: {routed}");
+    assert!(seq > 400, "events went on: {seq}");
+    assert_eq!(api.metric("kvroute_inflight_decisions").await, 0.0);
+    // After warm-up (the first 10 s) resident memory stays within 8 MiB.
+    let warm = rss.iter().find(|(t, _)| *t >= 10.0).map_or(0, |x| x.1);
+    let peak = rss.iter().map(|x| x.1).max().unwrap_or(0);
+    assert!(
+        warm > 0 && peak <= warm + (8 << 20),
+        "memory grew during the outage: {rss:?}"
+    );
+    let t = std::time::Instant::now();
+    let code = sc.terminate();
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "SIGTERM took {:?}",
+        t.elapsed()
+    );
+    assert_eq!(code, Some(0), "{}", sc.log());
 }
