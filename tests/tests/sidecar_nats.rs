@@ -351,7 +351,7 @@ async fn a_long_nats_outage_under_load_blocks_nothing_and_grows_nothing() {
             "event {seq} reached the index: {held}"
         );
         seq += 1;
-        if seq % 20 == 0 {
+        if seq.is_multiple_of(20) {
             rss.push((t0.elapsed().as_secs_f64(), rss_bytes(sc.pid())));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
