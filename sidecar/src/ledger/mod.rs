@@ -24,7 +24,13 @@ use std::time::{Duration, Instant};
 use kvroute_shared::protocol::{LoadDelta, LoadOp, PolicyConfig};
 use parking_lot::Mutex;
 
-use crate::policy::{LoadView, PrefillHorizon, RecentWork};
+use crate::policy::LoadView;
+
+mod book;
+#[cfg(test)]
+mod tests;
+
+use book::{view_of, Book, RemoteShare};
 
 /// Seconds on a process-wide monotonic clock, the time base of [`PrefillHorizon`] and
 /// [`RecentWork`].
@@ -73,99 +79,6 @@ impl Decision {
     /// The pod that prefills and caches the prompt.
     pub fn cache_pod(&self) -> &Arc<str> {
         self.d.prefill_pod.as_ref().unwrap_or(&self.d.pod)
-    }
-}
-
-/// Another replica's decision on one pod.
-#[derive(Clone, Copy, Debug)]
-struct RemoteShare {
-    at: Instant,
-    prefill_tokens: u64,
-    blocks: u64,
-    prefix: Option<u64>,
-    inflight: bool,
-}
-
-#[derive(Default, Debug)]
-struct PodLoad {
-    horizon: PrefillHorizon,
-    decode_blocks: u64,
-    inflight: u32,
-    recent: RecentWork,
-    remote: HashMap<(String, String), RemoteShare>,
-    /// Sums over `remote`, kept with it so a route reads them in O(1).
-    remote_blocks: u64,
-    remote_inflight: u32,
-}
-
-#[derive(Default)]
-struct Book {
-    /// When another replica's delta last arrived.
-    peer_seen: Option<Instant>,
-    pods: HashMap<Arc<str>, PodLoad>,
-    decisions: HashMap<u64, Decision>,
-    /// In-flight requests per routing prefix and pod; an entry lives while it is > 0.
-    prefixes: HashMap<u64, HashMap<Arc<str>, u32>>,
-}
-
-impl Book {
-    fn pod(&mut self, id: &Arc<str>) -> &mut PodLoad {
-        self.pods.entry(id.clone()).or_default()
-    }
-
-    fn prefix_add(&mut self, k: u64, pod: &Arc<str>) {
-        *self
-            .prefixes
-            .entry(k)
-            .or_default()
-            .entry(pod.clone())
-            .or_insert(0) += 1;
-    }
-
-    fn prefix_release(&mut self, k: u64, pod: &str) {
-        if let Some(per_pod) = self.prefixes.get_mut(&k) {
-            if let Some(n) = per_pod.get_mut(pod) {
-                *n = n.saturating_sub(1);
-                if *n == 0 {
-                    per_pod.remove(pod);
-                }
-            }
-            if per_pod.is_empty() {
-                self.prefixes.remove(&k);
-            }
-        }
-    }
-
-    /// Undo a local decision's load (it has left `decisions` already).
-    fn unload(&mut self, d: &Decision, now: f64, tps: f64) {
-        let cache = d.cache_pod().clone();
-        if let Some(p) = self.pods.get_mut(&cache) {
-            p.horizon.release(now, d.d.prefill_tokens, tps);
-        }
-        if let Some(p) = self.pods.get_mut(&d.d.pod) {
-            p.decode_blocks = p.decode_blocks.saturating_sub(d.d.blocks);
-            p.inflight = p.inflight.saturating_sub(1);
-        }
-        if let Some(k) = d.d.prefix {
-            self.prefix_release(k, &d.d.pod);
-        }
-    }
-
-    fn remote_remove(&mut self, pod: &Arc<str>, key: &(String, String), now: f64, tps: f64) {
-        let Some(p) = self.pods.get_mut(pod) else {
-            return;
-        };
-        let Some(r) = p.remote.remove(key) else {
-            return;
-        };
-        p.horizon.release(now, r.prefill_tokens, tps);
-        p.remote_blocks = p.remote_blocks.saturating_sub(r.blocks);
-        if r.inflight {
-            p.remote_inflight = p.remote_inflight.saturating_sub(1);
-        }
-        if let Some(k) = r.prefix {
-            self.prefix_release(k, pod);
-        }
     }
 }
 
@@ -492,33 +405,5 @@ impl Ledger {
             });
         }
         v
-    }
-}
-
-fn view_of(
-    book: &Book,
-    pod: &str,
-    prefix: Option<u64>,
-    now: Instant,
-    cfg: &PolicyConfig,
-) -> LoadView {
-    let t = clock(now);
-    let prefix_inflight = prefix
-        .and_then(|k| book.prefixes.get(&k))
-        .and_then(|m| m.get(pod).copied())
-        .unwrap_or(0);
-    match book.pods.get(pod) {
-        Some(p) => LoadView {
-            pending_prefill_tokens: p.horizon.pending(t, cfg.prefill_tokens_per_s),
-            decode_blocks: p.decode_blocks + p.remote_blocks,
-            inflight: p.inflight + p.remote_inflight,
-            queued: 0,
-            prefix_inflight,
-            recent_blocks: p.recent.value(t, cfg.home_window_s),
-        },
-        None => LoadView {
-            prefix_inflight,
-            ..LoadView::default()
-        },
     }
 }

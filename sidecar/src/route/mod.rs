@@ -8,81 +8,21 @@
 //! Every step takes `now`, so the simulator drives this same code on a virtual clock
 //! ([`route_with`]).
 
-use std::sync::atomic::Ordering;
+mod error;
+mod report;
+
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvroute_shared::protocol::{
-    CompletionReport, PolicyConfig, Ranked, Role, RouteRequest, RouteResponse,
-};
+use kvroute_shared::protocol::{PolicyConfig, Ranked, Role, RouteRequest, RouteResponse};
 use kvroute_shared::Mode;
 use serde_json::json;
 
 use crate::index::{ModelIndex, PodMatch};
-use crate::ledger::{NewDecision, Release};
+use crate::ledger::NewDecision;
 use crate::pods::Pods;
 use crate::policy::{self, Ask, Candidate, PodFacts, Ranking};
 use crate::state::Sidecar;
-
-/// Why a route request got no pod. `reason()` is the stable label (HTTP body, metric).
-#[derive(Debug, Clone, PartialEq)]
-pub enum RouteError {
-    EmptyModel,
-    ChainTooLong(usize),
-    BlockSizeMismatch {
-        given: u32,
-        want: u32,
-        mode: Mode,
-        model: String,
-    },
-    NoPod {
-        model: String,
-        adapter: String,
-    },
-}
-
-impl RouteError {
-    pub fn reason(&self) -> &'static str {
-        match self {
-            RouteError::EmptyModel | RouteError::ChainTooLong(_) => "bad_request",
-            RouteError::BlockSizeMismatch { .. } => "block_size_mismatch",
-            RouteError::NoPod { .. } => "no_pod",
-        }
-    }
-
-    /// The HTTP status: the request is wrong (400) or nothing can serve it (503).
-    pub fn status(&self) -> u16 {
-        match self {
-            RouteError::NoPod { .. } => 503,
-            _ => 400,
-        }
-    }
-}
-
-impl std::fmt::Display for RouteError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            RouteError::EmptyModel => f.write_str("model must not be empty"),
-            RouteError::ChainTooLong(n) => write!(f, "chain of {n} blocks exceeds {MAX_CHAIN}"),
-            RouteError::BlockSizeMismatch {
-                given,
-                want,
-                mode,
-                model,
-            } => write!(
-                f,
-                "block_size {given} does not match the {} block size {want} configured for model {model:?}: gateway and engines must agree",
-                mode.as_str()
-            ),
-            RouteError::NoPod { model, adapter } if adapter.is_empty() => {
-                write!(f, "no live pod serves model {model:?}")
-            }
-            RouteError::NoPod { model, adapter } => {
-                write!(f, "no live pod serves model {model:?} with adapter {adapter:?}")
-            }
-        }
-    }
-}
 
 const MAX_CHAIN: usize = 1 << 20;
 /// Candidates whose tier detail is looked up for scoring (the deepest few).
@@ -484,62 +424,13 @@ fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
 
-/// A completion report from the filter.
-pub fn report(sc: &Sidecar, r: &CompletionReport) {
-    report_at(sc, r, Instant::now())
-}
-
-pub fn report_at(sc: &Sidecar, r: &CompletionReport, now: Instant) {
-    sc.metrics.reports.fetch_add(1, Ordering::Relaxed);
-    let cfg = sc.config();
-    // Circuit breaker: consecutive server errors open it; a client abort (no status)
-    // says nothing about the pod.
-    if let Some(p) = sc.pods.lock().get_mut(r.pod.as_str()) {
-        p.record_status(
-            r.status,
-            cfg.breaker_failures,
-            std::time::Duration::from_secs(cfg.breaker_cooldown_s),
-            now,
-        );
-    }
-    let released = match sc.ledger().parse_id(&r.decision) {
-        Some(id) => sc.ledger().release(id, now, &cfg),
-        None => None,
-    };
-    let outcome = match (&released, r.decision.is_empty()) {
-        (Some(_), _) => "released",
-        (None, true) => "none",
-        (None, false) => "unknown",
-    };
-    sc.metrics.report_decisions.inc(outcome, 1);
-    let Some((d, deltas)) = released else { return };
-    sc.metrics.load_released.inc(Release::Report.label(), 1);
-    sc.publish(deltas);
-    if let Some(c) = r.cached_tokens {
-        sc.metrics.cached_tokens.inc("reported", c as u64);
-        sc.metrics
-            .cached_tokens
-            .inc("predicted", d.d.expected_cached);
-        if d.d.predicted && &**d.cache_pod() == r.pod.as_str() {
-            let bs = cfg.block_size(&d.d.model, Mode::Tokens) as u64;
-            let mispredicted = (c as u64) + bs < d.d.expected_cached;
-            if mispredicted {
-                sc.metrics.mispredictions.fetch_add(1, Ordering::Relaxed);
-            }
-            sc.predicted.feedback(
-                &r.pod,
-                mispredicted,
-                d.d.chain_blocks,
-                cfg.predicted_capacity_blocks,
-            );
-        }
-    }
-}
+pub use error::RouteError;
+pub use report::{report, report_at};
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvroute_shared::protocol::{LoadOp, PodRegistration, PolicyConfig};
+    use kvroute_shared::protocol::{CompletionReport, LoadOp, PodRegistration, PolicyConfig};
 
     /// A sidecar with the default policy and four registered pods of model "m"; the
     /// second value keeps its channels open.

@@ -1,0 +1,66 @@
+//! Why a route request got no pod: typed, each with a stable label (the HTTP body's
+//! `reason` and the `kvroute_route_errors_total` label) and an HTTP status.
+
+use kvroute_shared::Mode;
+
+use super::MAX_CHAIN;
+
+/// Why a route request got no pod. `reason()` is the stable label (HTTP body, metric).
+#[derive(Debug, Clone, PartialEq)]
+pub enum RouteError {
+    EmptyModel,
+    ChainTooLong(usize),
+    BlockSizeMismatch {
+        given: u32,
+        want: u32,
+        mode: Mode,
+        model: String,
+    },
+    NoPod {
+        model: String,
+        adapter: String,
+    },
+}
+
+impl RouteError {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            RouteError::EmptyModel | RouteError::ChainTooLong(_) => "bad_request",
+            RouteError::BlockSizeMismatch { .. } => "block_size_mismatch",
+            RouteError::NoPod { .. } => "no_pod",
+        }
+    }
+
+    /// The HTTP status: the request is wrong (400) or nothing can serve it (503).
+    pub fn status(&self) -> u16 {
+        match self {
+            RouteError::NoPod { .. } => 503,
+            _ => 400,
+        }
+    }
+}
+
+impl std::fmt::Display for RouteError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RouteError::EmptyModel => f.write_str("model must not be empty"),
+            RouteError::ChainTooLong(n) => write!(f, "chain of {n} blocks exceeds {MAX_CHAIN}"),
+            RouteError::BlockSizeMismatch {
+                given,
+                want,
+                mode,
+                model,
+            } => write!(
+                f,
+                "block_size {given} does not match the {} block size {want} configured for model {model:?}: gateway and engines must agree",
+                mode.as_str()
+            ),
+            RouteError::NoPod { model, adapter } if adapter.is_empty() => {
+                write!(f, "no live pod serves model {model:?}")
+            }
+            RouteError::NoPod { model, adapter } => {
+                write!(f, "no live pod serves model {model:?} with adapter {adapter:?}")
+            }
+        }
+    }
+}
