@@ -1,0 +1,193 @@
+//! The sidecar's HTTP API types: pod registration, the route question and answer,
+//! completion reports, and the endpoint shape pods are named by.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::hashes::u64_list;
+use super::Tier;
+use crate::chain::Mode;
+
+/// A pod's role when a model runs prefill and decode on separate pods.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    #[default]
+    Both,
+    Prefill,
+    Decode,
+}
+
+/// `PUT /v1/pods/{id}`: register or update a pod (`id` is its `ip:port`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PodRegistration {
+    pub model: String,
+    #[serde(default)]
+    pub role: Role,
+    /// LoRA adapters this pod serves (empty: base model only).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub adapters: Vec<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity_blocks: Option<u64>,
+    /// Where to fetch a full cache dump (an [`EventBatch`] of `stored` events) on resync.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dump_url: Option<String>,
+}
+
+/// `POST /v1/route`: the filter's question.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RouteRequest {
+    pub model: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub adapter: String,
+    pub mode: Mode,
+    pub block_size: u32,
+    #[serde(deserialize_with = "u64_list")]
+    pub chain: Vec<u64>,
+    /// Prompt length in tokens (estimated for text), for load projection.
+    #[serde(default)]
+    pub prompt_tokens: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
+    /// A session key (e.g. OpenAI's `user`), for session-affinity tie-breaks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
+    /// Restrict to pods of this role (default: any pod that can serve the whole request).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<Role>,
+    /// Rank without recording a decision or projecting load (operators' lookups).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub dry_run: bool,
+}
+
+/// One candidate in a route answer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Ranked {
+    pub pod: String,
+    pub matched_blocks: u32,
+    /// Policy cost (lower is better).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub score: Option<f64>,
+}
+
+/// Where the winner's matched blocks live, e.g. "10 in GPU, 2 in CPU".
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierHint {
+    pub gpu: u32,
+    pub cpu: u32,
+    pub disk: u32,
+    pub remote: u32,
+}
+
+impl TierHint {
+    pub fn add(&mut self, tier: Tier, n: u32) {
+        let slot = match tier {
+            Tier::Gpu => &mut self.gpu,
+            Tier::Cpu => &mut self.cpu,
+            Tier::Disk => &mut self.disk,
+            Tier::Remote => &mut self.remote,
+        };
+        *slot = slot.saturating_add(n);
+    }
+}
+
+/// The sidecar's answer to [`RouteRequest`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RouteResponse {
+    pub pod: String,
+    /// The decision's id, issued by the sidecar (absent for a dry run). The filter
+    /// echoes it in its completion report; it is the only way to release the decision.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decision: Option<String>,
+    pub ranked: Vec<Ranked>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tier_hint: Option<TierHint>,
+    /// Set when the model runs disaggregated: the pod that prefills (`pod` decodes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_pod: Option<String>,
+    #[serde(default)]
+    pub policy_version: u64,
+    /// Per-pod cost breakdown; only when the policy's `explain` switch is on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub explain: Option<serde_json::Value>,
+}
+
+/// `POST /v1/report`: what happened to a routed request, sent by the filter from
+/// `on_log`. `cached_tokens` is the engine's own count, the ground truth for predictions.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CompletionReport {
+    /// The client's request id, for logs only.
+    #[serde(default)]
+    pub request_id: String,
+    /// The decision id from the route answer: the ledger entry this report releases.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub decision: String,
+    pub pod: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub model: String,
+    pub status: u16,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_tokens: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_tokens: Option<u32>,
+    #[serde(default)]
+    pub duration_ms: f64,
+}
+
+/// The reports in one `POST /v1/report` body: a single object, or an array of them (the
+/// filter batches reports so that a completion costs Envoy a fraction of a callout).
+#[derive(Debug, Default)]
+pub struct ReportBatch {
+    pub reports: Vec<CompletionReport>,
+    /// One line per rejected element (`index: reason`); the others still count.
+    pub rejected: Vec<String>,
+}
+
+impl ReportBatch {
+    /// Decodes a body. A body that is not JSON (or neither an object nor an array) is an
+    /// error; inside an array each element stands alone, so one bad report loses nothing else.
+    pub fn decode(body: &[u8]) -> Result<ReportBatch, String> {
+        let first = body.iter().find(|b| !b.is_ascii_whitespace());
+        if first != Some(&b'[') {
+            return serde_json::from_slice::<CompletionReport>(body)
+                .map(|r| ReportBatch {
+                    reports: vec![r],
+                    rejected: vec![],
+                })
+                .map_err(|e| format!("malformed completion report: {e}"));
+        }
+        let items: Vec<&serde_json::value::RawValue> = serde_json::from_slice(body)
+            .map_err(|e| format!("malformed completion report batch: {e}"))?;
+        let mut out = ReportBatch::default();
+        for (i, raw) in items.iter().enumerate() {
+            match serde_json::from_str::<CompletionReport>(raw.get()) {
+                Ok(r) => out.reports.push(r),
+                Err(e) => out.rejected.push(format!("{i}: {e}")),
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// `host:port` as Envoy's override-host header carries it (a pod's identity). Also keeps
+/// control characters (header injection) out of anything the filter puts in a header.
+pub fn valid_endpoint(s: &str) -> bool {
+    let Some((host, port)) = s.rsplit_once(':') else {
+        return false;
+    };
+    let port_ok = !port.is_empty()
+        && port.len() <= 5
+        && port.bytes().all(|b| b.is_ascii_digit())
+        && port.parse::<u16>().is_ok();
+    let host_ok = !host.is_empty()
+        && host.len() <= 253
+        && host.bytes().all(|b| {
+            b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_' | b':' | b'[' | b']')
+        });
+    port_ok && host_ok
+}

@@ -1,0 +1,240 @@
+//! The policy configuration (`GET`/`PUT /v1/config`) and its validation. Only the
+//! sidecar and the tools need it; the filter is built without it (feature `config`).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::{check_block_sizes, Tier};
+use crate::chain::Mode;
+
+/// Per-model settings the sidecar enforces.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelConfig {
+    /// Block size the engines use for this model; a route request with another size is
+    /// refused loudly (the silent mismatch is the commonest field failure of routers).
+    pub block_size: u32,
+    /// Bytes per block of text-mode chains (prompts the router chains as text).
+    pub text_block_bytes: u32,
+    /// Cap on indexed blocks for this model (approximate LRU beyond it).
+    pub max_blocks: u64,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            block_size: 16,
+            text_block_bytes: 256,
+            max_blocks: 4 << 20,
+        }
+    }
+}
+
+/// The routing policy, served and replaced whole at `/v1/config`.
+///
+/// Cost of sending a request to a pod, in "blocks of prefill work" (lower wins):
+/// `prefill_weight · (prompt_blocks − hits) + load_weight · pending_prefill_blocks
+///  + decode_weight · active_decode_blocks + queue_weight · queued_requests`, where hits
+/// count confirmed blocks fully, predicted ones at `predicted_weight`, non-GPU ones at
+/// `1 − tier_cost`, and a stale pod's at `stale_factor` (see sidecar/src/policy.rs).
+/// Defaults were chosen with `kvroute-bench sim` (docs/policy.md).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PolicyConfig {
+    /// Set by the sidecar; a PUT carrying a version must carry the current one.
+    pub version: u64,
+    pub models: BTreeMap<String, ModelConfig>,
+    /// Settings for models not listed in `models`.
+    pub default_model: ModelConfig,
+    pub prefill_weight: f64,
+    pub load_weight: f64,
+    /// Cost per block of KV held by the pod's running decodes (they slow its prefills).
+    pub decode_weight: f64,
+    /// Cost per request the engine reports waiting for a batch slot.
+    pub queue_weight: f64,
+    /// Worth of a predicted (not engine-confirmed) hit relative to a confirmed one.
+    pub predicted_weight: f64,
+    /// Estimated prefill speed of a pod, tokens/s: routed prefill work is counted as
+    /// pending until it should be done at this speed (or its report arrives).
+    pub prefill_tokens_per_s: f64,
+    /// Fraction of a hit's prefill cost still paid when the block is in this tier.
+    pub tier_cost: BTreeMap<Tier, f64>,
+    /// Multiplier (0..1] on the matched blocks of a pod whose event stream has a gap.
+    pub stale_factor: f64,
+    /// Bounded load: no pod gets more than (1 + ε) × the mean projected load.
+    pub balance_epsilon: f64,
+    /// Requests above the mean a pod may always take, whatever ε says: with a handful of
+    /// requests per pod, rounding alone would otherwise evict sessions from their caches.
+    pub balance_slack: f64,
+    /// The same slack for the requests in flight that were routed by one prefix (the
+    /// per-prefix bound that spreads a hot system prompt).
+    pub prefix_balance_slack: f64,
+    /// Placing a cold prefix (no pod holds more of the prompt than the prefix credited to
+    /// every pod): cost per block of prompt routed to the pod recently. The traffic a pod
+    /// drew lately is what its cached prefixes will keep drawing, so new homes go where
+    /// that is least; requests that have a home ignore it and stay with their cache.
+    pub home_weight: f64,
+    /// Time constant of that recent count, seconds (exponential decay).
+    pub home_window_s: f64,
+    /// A routing prefix with at least this many requests in flight per candidate pod (and
+    /// more than `prefix_balance_slack`) is credited to every pod (0 = never): it is hot
+    /// enough to be needed everywhere, so its first holders must not draw all of its new
+    /// conversations.
+    pub hot_prefix_per_pod: f64,
+    /// A pod whose engine reports requests waiting for a batch slot is outside the
+    /// bounded-load guard while any candidate has none: there a new request would wait
+    /// for decodes to finish, which no cache hit repays.
+    pub full_batch_guard: bool,
+    /// Pods whose cost is within this much of the best (in blocks of prefill) are equals,
+    /// and the request's tie key picks among them. Replicas that route concurrent cold
+    /// requests before hearing of each other's decisions then spread them instead of all
+    /// sending them to the one pod that looks idlest (0 = strict argmin).
+    pub near_tie_cost: f64,
+    /// 0 = argmin; > 0 samples from softmax(−cost / temperature).
+    pub temperature: f64,
+    /// Carry the per-pod breakdown in route answers (leaks cache state: off by default).
+    pub explain: bool,
+    /// Predicted mode: residency of routed text chains, kept this long.
+    pub predicted_ttl_s: u64,
+    pub predicted_capacity_blocks: u64,
+    /// A pod that sent nothing for this long is removed.
+    pub liveness_timeout_s: u64,
+    /// Projected load of a decision is released after this long without a report.
+    pub load_timeout_s: u64,
+    /// Circuit breaker: this many failed reports in a row exclude a pod for `cooldown`.
+    pub breaker_failures: u32,
+    pub breaker_cooldown_s: u64,
+    /// Refuse events from pods not registered with `PUT /v1/pods/{id}`.
+    pub require_registration: bool,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig {
+            version: 0,
+            models: BTreeMap::new(),
+            default_model: ModelConfig::default(),
+            prefill_weight: 1.0,
+            load_weight: 1.0,
+            decode_weight: 0.01,
+            queue_weight: 0.0,
+            predicted_weight: 0.7,
+            prefill_tokens_per_s: 10_000.0,
+            tier_cost: BTreeMap::from([
+                (Tier::Gpu, 0.0),
+                (Tier::Cpu, 0.2),
+                (Tier::Disk, 0.5),
+                (Tier::Remote, 0.6),
+            ]),
+            stale_factor: 0.5,
+            balance_epsilon: 0.25,
+            balance_slack: 10.0,
+            prefix_balance_slack: 4.0,
+            home_weight: 0.1,
+            home_window_s: 10.0,
+            hot_prefix_per_pod: 1.0,
+            full_batch_guard: true,
+            near_tie_cost: 3.0,
+            temperature: 0.0,
+            explain: false,
+            predicted_ttl_s: 120,
+            predicted_capacity_blocks: 1 << 16,
+            liveness_timeout_s: 30,
+            load_timeout_s: 300,
+            breaker_failures: 5,
+            breaker_cooldown_s: 10,
+            require_registration: false,
+        }
+    }
+}
+
+impl PolicyConfig {
+    /// Every problem with this config, so an operator can fix them all at once.
+    pub fn validate(&self) -> Result<(), Vec<String>> {
+        let mut errs = Vec::new();
+        let mut finite_nonneg = |name: &str, v: f64| {
+            if !v.is_finite() || v < 0.0 {
+                errs.push(format!("{name} must be a finite number >= 0 (got {v})"));
+            }
+        };
+        finite_nonneg("prefill_weight", self.prefill_weight);
+        finite_nonneg("load_weight", self.load_weight);
+        finite_nonneg("queue_weight", self.queue_weight);
+        finite_nonneg("decode_weight", self.decode_weight);
+        finite_nonneg("balance_epsilon", self.balance_epsilon);
+        finite_nonneg("balance_slack", self.balance_slack);
+        finite_nonneg("prefix_balance_slack", self.prefix_balance_slack);
+        finite_nonneg("home_weight", self.home_weight);
+        finite_nonneg("hot_prefix_per_pod", self.hot_prefix_per_pod);
+        finite_nonneg("near_tie_cost", self.near_tie_cost);
+        finite_nonneg("temperature", self.temperature);
+        for (tier, c) in &self.tier_cost {
+            if !(0.0..=1.0).contains(c) {
+                errs.push(format!(
+                    "tier_cost.{} must be in [0, 1] (got {c})",
+                    tier.as_str()
+                ));
+            }
+        }
+        if !(self.home_window_s.is_finite() && self.home_window_s >= 0.001) {
+            errs.push(format!(
+                "home_window_s must be >= 0.001 (got {})",
+                self.home_window_s
+            ));
+        }
+        if !(self.prefill_tokens_per_s.is_finite() && self.prefill_tokens_per_s >= 1.0) {
+            errs.push(format!(
+                "prefill_tokens_per_s must be >= 1 (got {})",
+                self.prefill_tokens_per_s
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.predicted_weight) {
+            errs.push(format!(
+                "predicted_weight must be in [0, 1] (got {})",
+                self.predicted_weight
+            ));
+        }
+        if !(self.stale_factor > 0.0 && self.stale_factor <= 1.0) {
+            errs.push(format!(
+                "stale_factor must be in (0, 1] (got {})",
+                self.stale_factor
+            ));
+        }
+        let models = std::iter::once(("default_model", &self.default_model))
+            .chain(self.models.iter().map(|(k, v)| (k.as_str(), v)));
+        for (name, m) in models {
+            check_block_sizes(name, m.block_size, m.text_block_bytes, &mut errs);
+            if m.max_blocks == 0 {
+                errs.push(format!("{name}: max_blocks must be > 0"));
+            }
+        }
+        if self.models.contains_key("") {
+            errs.push("models: the empty model name is not allowed".into());
+        }
+        if self.liveness_timeout_s == 0 {
+            errs.push("liveness_timeout_s must be > 0".into());
+        }
+        if self.load_timeout_s == 0 {
+            errs.push("load_timeout_s must be > 0".into());
+        }
+        if errs.is_empty() {
+            Ok(())
+        } else {
+            Err(errs)
+        }
+    }
+
+    pub fn model(&self, name: &str) -> &ModelConfig {
+        self.models.get(name).unwrap_or(&self.default_model)
+    }
+
+    /// The block size a chain of `mode` must use for `model`.
+    pub fn block_size(&self, model: &str, mode: Mode) -> u32 {
+        let m = self.model(model);
+        match mode {
+            Mode::Tokens => m.block_size,
+            Mode::Text => m.text_block_bytes,
+        }
+    }
+}

@@ -1,0 +1,46 @@
+//! Load deltas between sidecar replicas (`kvroute.load.<model>`).
+
+use serde::{Deserialize, Serialize};
+
+use super::hashes::opt_u64;
+
+/// Load that one sidecar replica projected onto a pod, or released, broadcast on NATS
+/// (`kvroute.load.<model>`) so that replicas in front of the same pods see each other's
+/// decisions instead of all piling onto the same "best" pod.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadDelta {
+    /// The sending replica (receivers skip their own).
+    pub replica: String,
+    /// The decision's id (unique per replica); a release names the add it undoes.
+    pub id: String,
+    pub pod: String,
+    pub model: String,
+    pub op: LoadOp,
+    #[serde(default)]
+    pub prefill_tokens: u64,
+    #[serde(default)]
+    pub blocks: u64,
+    /// The cached prefix the decision was routed by (its last block's hash), so every
+    /// replica bounds a hot prefix's load across all gateways.
+    #[serde(
+        default,
+        deserialize_with = "opt_u64",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub prefix: Option<u64>,
+    /// The decision runs on this pod (false for a prefill pod's share of a disaggregated
+    /// request, which only adds prefill work).
+    #[serde(default = "yes")]
+    pub inflight: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LoadOp {
+    Add,
+    Release,
+}
