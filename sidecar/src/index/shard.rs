@@ -147,6 +147,7 @@ impl Shard {
         self.map.len()
     }
 
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
     }
@@ -275,6 +276,7 @@ impl Shard {
         }
     }
 
+    #[cfg(test)]
     /// Clear `slot` everywhere in this shard; returns how many entries held it.
     pub fn clear_slot(&mut self, slot: u8) -> u64 {
         let mut cleared = 0u64;

@@ -43,6 +43,7 @@ impl Table {
         self.len + self.zero.is_some() as usize
     }
 
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -172,6 +173,7 @@ impl Table {
         }
     }
 
+    #[cfg(test)]
     /// Keep entries for which `f` returns true; `f` may rewrite the value.
     pub fn retain(&mut self, mut f: impl FnMut(u64, &mut u64) -> bool) {
         if let Some(mut v) = self.zero {

@@ -2,6 +2,7 @@
 //! sidecar/tests/index_*.rs.
 
 use super::*;
+use kvroute_shared::protocol::Tier;
 
 fn chain(seed: u64, n: usize) -> Vec<u64> {
     let ns = kvroute_shared::Namespace {

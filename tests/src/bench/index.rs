@@ -390,11 +390,7 @@ fn hasher_table(n: usize, probes: usize) -> serde_json::Value {
     let mut rng = Rng(10);
     let keys: Vec<u64> = (0..n / 256 * 16).map(|_| rng.next_u64()).collect(); // one shard's worth ×16
     let ident = bench(BuildHasherDefault::<Ident>::default(), &keys, probes);
-    let mix = bench(
-        kvroute_sidecar::index::shard::KeyHasher::new(12345),
-        &keys,
-        probes,
-    );
+    let mix = bench(kvroute_sidecar::index::KeyHasher::new(12345), &keys, probes);
     let fold = bench(hashbrown::DefaultHashBuilder::default(), &keys, probes);
     let sip = bench(
         std::collections::hash_map::RandomState::new(),
