@@ -100,7 +100,7 @@ pub async fn run(
 }
 
 /// Publish this replica's load deltas until shutdown; a publish that NATS does not take
-/// within [`PUBLISH_TIMEOUT`] is dropped and counted.
+/// within `PUBLISH_TIMEOUT` is dropped and counted.
 pub async fn publish_outbox(
     sc: &Sidecar,
     client: &async_nats::Client,

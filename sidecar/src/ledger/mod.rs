@@ -32,8 +32,8 @@ mod tests;
 
 use book::{view_of, Book, RemoteShare};
 
-/// Seconds on a process-wide monotonic clock, the time base of [`PrefillHorizon`] and
-/// [`RecentWork`].
+/// Seconds on a process-wide monotonic clock, the time base of
+/// [`crate::policy::PrefillHorizon`] and [`crate::policy::RecentWork`].
 pub fn clock(now: Instant) -> f64 {
     now.checked_duration_since(clock_origin())
         .map_or(0.0, |d| d.as_secs_f64())

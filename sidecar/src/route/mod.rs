@@ -1,7 +1,7 @@
 //! Route requests and completion reports. A route runs named steps, one way:
-//! [`validate`] → [`lookup`] (confirmed and predicted index) → [`candidates`] (registry
+//! `validate` → `lookup` (confirmed and predicted index) → `candidates` (registry
 //! facts and the ledger's load views, under the registry lock) → a [`Selector`] (the
-//! policy, or a simulator baseline) → [`commit`] (the ledger issues the decision) →
+//! policy, or a simulator baseline) → `commit` (the ledger issues the decision) →
 //! the answer. A completion report releases its decision by the id the route answer
 //! gave, and feeds the circuit breaker and predicted residency.
 //!
