@@ -10,10 +10,10 @@
 //! - [`predicted`]: residency guessed from decisions, for engines without events;
 //! - [`state`], [`http`], [`nats`], [`cleaner`], [`serve`]: the service around them;
 //! - [`hashcli`]: the operator's chain printer;
-//! - [`vllm`], [`translate`], [`bridge`]: vLLM/SGLang ZMQ KV events → kvroute event
-//!   batches, run next to each engine; [`sink`] is how engine-side publishers send.
+//!
+//! The engine-side bridge (vLLM/SGLang ZMQ events → kvroute batches) is its own crate,
+//! `kvroute-bridge` (`sidecar/bridge/`); `kvroute-sidecar bridge` runs it too.
 
-pub mod bridge;
 pub mod cleaner;
 pub mod hashcli;
 pub mod http;
@@ -27,7 +27,4 @@ pub mod policy;
 pub mod predicted;
 pub mod route;
 pub mod serve;
-pub mod sink;
 pub mod state;
-pub mod translate;
-pub mod vllm;

@@ -24,7 +24,7 @@ enum Cmd {
     /// Run the sidecar service.
     Serve(kvroute_sidecar::serve::ServeArgs),
     /// Run next to a vLLM / SGLang engine: its ZMQ KV events → kvroute event batches.
-    Bridge(kvroute_sidecar::bridge::BridgeArgs),
+    Bridge(kvroute_bridge::BridgeArgs),
 }
 
 #[derive(Args)]
@@ -64,7 +64,9 @@ fn main() -> anyhow::Result<()> {
             a,
             kvroute_sidecar::serve::wait_for_signal(),
         )),
-        Cmd::Bridge(a) => service()?.block_on(kvroute_sidecar::bridge::run(a)),
+        Cmd::Bridge(a) => {
+            service()?.block_on(kvroute_bridge::run(a, kvroute_bridge::wait_for_signal()))
+        }
         Cmd::Hash(h) => {
             let input = match (h.tokens, h.text, h.request) {
                 (Some(t), _, _) => Input::Tokens(t),

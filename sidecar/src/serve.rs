@@ -183,21 +183,4 @@ pub async fn run(
     Ok(())
 }
 
-/// SIGTERM or SIGINT.
-pub async fn wait_for_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    match (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) {
-        (Ok(mut term), Ok(mut int)) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = int.recv() => {}
-            }
-        }
-        _ => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
-}
+pub use kvroute_bridge::wait_for_signal;

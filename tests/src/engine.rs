@@ -34,7 +34,7 @@ use serde_json::{json, Value};
 use crate::bench::Rng;
 use crate::cache::BlockCache;
 use crate::vllm_pub::VllmPublisher;
-use kvroute_sidecar::sink::EventSink;
+use kvroute_bridge::sink::EventSink;
 
 #[derive(Parser, Debug, Clone)]
 #[command(

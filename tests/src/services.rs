@@ -1,5 +1,5 @@
 //! The real services as child processes: `nats-server`, `kvroute-sidecar serve` and
-//! `kvroute-sidecar bridge`, each on free loopback ports, each killed when its handle
+//! `kvroute-bridge`, each on free loopback ports, each killed when its handle
 //! drops.
 
 use std::net::SocketAddr;
@@ -173,7 +173,7 @@ fn listening_addr(log: &Path) -> Option<SocketAddr> {
     })
 }
 
-/// `kvroute-sidecar bridge` for one engine, listening on a free loopback port; started
+/// `kvroute-bridge` for one engine, listening on a free loopback port; started
 /// once it has subscribed to the engine's ZMQ stream (a PUB socket drops what it sends
 /// before that).
 pub struct BridgeProc {
@@ -191,8 +191,8 @@ impl BridgeProc {
         let dir = tempfile::tempdir()?;
         let log = dir.path().join("bridge.log");
         let listen = format!("127.0.0.1:{}", free_port());
-        let mut cmd = Command::new(sidecar_bin());
-        cmd.args(["bridge", "--zmq", zmq, "--pod", pod, "--model", "m"])
+        let mut cmd = Command::new(workspace_bin("kvroute-bridge"));
+        cmd.args(["--zmq", zmq, "--pod", pod, "--model", "m"])
             .args(["--block-size", "16", "--listen", &listen])
             .args(extra)
             .env("KVROUTE_LOG", "info");

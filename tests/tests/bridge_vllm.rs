@@ -199,6 +199,11 @@ async fn vllm_events_reach_the_index_under_the_filters_hashes() {
         .get("/metrics")
         .await
         .contains("kvroute_bridge_restarts_total 1"));
+    // SIGTERM: the bridge stops its tasks, sends what is queued and exits cleanly.
+    let mut bridge = bridge;
+    let t = std::time::Instant::now();
+    assert_eq!(bridge.child.terminate(Duration::from_secs(10)), Some(0), "{}", bridge.log());
+    assert!(t.elapsed() < Duration::from_secs(6), "shutdown took {:?}", t.elapsed());
 }
 
 /// vLLM's replay socket: a ROUTER that answers a start sequence with every buffered

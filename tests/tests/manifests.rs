@@ -105,7 +105,7 @@ fn vllm_bridge_manifest() {
     #[derive(clap::Parser)]
     struct Cli {
         #[command(flatten)]
-        a: kvroute_sidecar::bridge::BridgeArgs,
+        a: kvroute_bridge::BridgeArgs,
     }
     let ds = docs("docs/examples/vllm-bridge.yaml");
     let containers = all(&ds, "containers");

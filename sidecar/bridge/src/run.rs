@@ -1,4 +1,4 @@
-//! `kvroute-sidecar bridge`: runs next to one vLLM or SGLang engine (a container in the
+//! `kvroute-bridge` (also `kvroute-sidecar bridge`): runs next to one vLLM or SGLang engine (a container in the
 //! engine's pod), subscribes to its ZMQ KV event stream, translates the events into
 //! kvroute event batches ([`crate::translate`]) and publishes them ([`crate::sink`]).
 //!
@@ -10,6 +10,10 @@
 //! Data flows one way: ZMQ receive (and the engine-load poll) → translate (under a short
 //! lock shared with `/dump`) → a bounded, ordered queue → publish. A bad frame or payload
 //! is counted and skipped; the stream goes on.
+//!
+//! Shutdown (the future given to [`run`]) stops the receiver and the poller first, then
+//! lets the publisher send what is queued (for at most `DRAIN`), then stops the HTTP
+//! server; `run` returns when every task has ended.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -23,6 +27,7 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use futures::StreamExt;
 use parking_lot::Mutex;
+use tokio::sync::watch;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::sink::EventSink;
@@ -85,7 +90,7 @@ pub struct BridgeArgs {
 
 impl BridgeArgs {
     pub fn validate(&self) -> anyhow::Result<()> {
-        if !crate::state::valid_pod_id(&self.pod) {
+        if !kvroute_shared::protocol::valid_endpoint(&self.pod) {
             anyhow::bail!("--pod {:?} must be host:port", self.pod);
         }
         if self.model.is_empty() {
@@ -143,7 +148,10 @@ struct Bridge {
     n: Counters,
 }
 
-pub async fn run(a: BridgeArgs) -> anyhow::Result<()> {
+pub async fn run(
+    a: BridgeArgs,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
     a.validate()?;
     let started = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -158,28 +166,45 @@ pub async fn run(a: BridgeArgs) -> anyhow::Result<()> {
         n: Counters::default(),
     });
     let sink = EventSink::connect(a.nats.as_deref(), a.sidecars.clone()).await?;
+    let listener = tokio::net::TcpListener::bind(a.listen).await?;
+    let (stop_tx, stop) = watch::channel(false);
     let (tx, rx) = tokio::sync::mpsc::channel(QUEUE);
-    tokio::spawn(publish(br.clone(), sink, rx));
+    let mut producers = tokio::task::JoinSet::new();
     if let Some(url) = a.engine_metrics_url() {
         let every = Duration::from_millis(a.load_interval_ms.max(50));
-        tokio::spawn(poll_load(br.clone(), url, every, tx.clone()));
+        producers.spawn(poll_load(br.clone(), url, every, tx.clone(), stop.clone()));
     }
-    tokio::spawn(receive(br.clone(), a.clone(), tx));
+    producers.spawn(receive(br.clone(), a.clone(), tx, stop.clone()));
+    let publisher = tokio::spawn(publish(br.clone(), sink, rx, stop.clone()));
     let app = Router::new()
         .route("/dump", get(dump))
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok" }))
         .with_state(br);
-    let listener = tokio::net::TcpListener::bind(a.listen).await?;
     tracing::info!(
         zmq = %a.zmq, pod = %a.pod, model = %a.model, listen = %listener.local_addr()?,
         "bridge running"
     );
-    axum::serve(listener, app)
-        .with_graceful_shutdown(crate::serve::wait_for_signal())
-        .await?;
+    let mut http_stop = stop.clone();
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = http_stop.changed().await;
+            })
+            .await
+    });
+    shutdown.await;
+    tracing::info!("bridge: shutting down");
+    let _ = stop_tx.send(true);
+    // The producers end and drop their senders; the publisher drains what is queued.
+    while producers.join_next().await.is_some() {}
+    let _ = publisher.await;
+    let _ = server.await;
     Ok(())
 }
+
+/// How long a shutting-down bridge keeps sending the batches still queued.
+const DRAIN: Duration = Duration::from_secs(5);
 
 /// Batches waiting for the destinations. Bounded: with NATS or the sidecars away for
 /// long, the newest batches are dropped (counted) rather than memory growing; the
@@ -200,7 +225,7 @@ fn queue(br: &Bridge, tx: &Out, b: kvroute_shared::protocol::EventBatch) -> bool
     }
 }
 
-async fn receive(br: Arc<Bridge>, a: BridgeArgs, tx: Out) {
+async fn receive(br: Arc<Bridge>, a: BridgeArgs, tx: Out, mut stop: watch::Receiver<bool>) {
     let mut sock = zeromq::SubSocket::new();
     // Connection events: next to the engine, a reconnection means it restarted.
     let mut monitor = sock.monitor();
@@ -209,7 +234,11 @@ async fn receive(br: Arc<Bridge>, a: BridgeArgs, tx: Out) {
         return;
     }
     // Waits for the engine to come up, then reconnects by itself.
-    if let Err(e) = sock.connect(&a.zmq).await {
+    let connected = tokio::select! {
+        _ = stop.changed() => return,
+        c = sock.connect(&a.zmq) => c,
+    };
+    if let Err(e) = connected {
         tracing::error!("zmq connect {}: {e}", a.zmq);
         return;
     }
@@ -219,6 +248,7 @@ async fn receive(br: Arc<Bridge>, a: BridgeArgs, tx: Out) {
         // one of the old engine's.
         let msg = tokio::select! {
             biased;
+            _ = stop.changed() => return,
             Some(ev) = monitor.next() => {
                 if let zeromq::SocketEvent::Connected(..) = ev {
                     let out = br.tr.lock().reconnected();
@@ -332,7 +362,13 @@ async fn replay(endpoint: &str, from: u64, until: u64) -> Option<Vec<(u64, Bytes
 
 /// The engine's own load, from its metrics endpoint, as `load` events: the router's
 /// projection then follows what the engine really runs and queues.
-async fn poll_load(br: Arc<Bridge>, url: String, every: Duration, tx: Out) {
+async fn poll_load(
+    br: Arc<Bridge>,
+    url: String,
+    every: Duration,
+    tx: Out,
+    mut stop: watch::Receiver<bool>,
+) {
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(1))
         .build()
@@ -340,7 +376,10 @@ async fn poll_load(br: Arc<Bridge>, url: String, every: Duration, tx: Out) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        tick.tick().await;
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tick.tick() => {}
+        }
         br.n.load_polls.fetch_add(1, Ordering::Relaxed);
         let text = match http.get(&url).send().await {
             Ok(r) if r.status().is_success() => r.text().await.ok(),
@@ -357,15 +396,28 @@ async fn poll_load(br: Arc<Bridge>, url: String, every: Duration, tx: Out) {
     }
 }
 
+/// Send queued batches in order until the producers are gone and the queue is empty;
+/// once shutdown starts, for at most [`DRAIN`] more.
 async fn publish(
     br: Arc<Bridge>,
     sink: EventSink,
     mut rx: tokio::sync::mpsc::Receiver<kvroute_shared::protocol::EventBatch>,
+    mut stop: watch::Receiver<bool>,
 ) {
-    while let Some(b) = rx.recv().await {
-        let failed = sink.send(&b).await;
-        br.n.send_failures
-            .fetch_add(failed as u64, Ordering::Relaxed);
+    let send_all = async {
+        while let Some(b) = rx.recv().await {
+            let failed = sink.send(&b).await;
+            br.n.send_failures
+                .fetch_add(failed as u64, Ordering::Relaxed);
+        }
+    };
+    tokio::pin!(send_all);
+    tokio::select! {
+        _ = &mut send_all => return,
+        _ = stop.changed() => {}
+    }
+    if tokio::time::timeout(DRAIN, send_all).await.is_err() {
+        tracing::warn!("bridge: batches still queued after {DRAIN:?}; dropped");
     }
 }
 

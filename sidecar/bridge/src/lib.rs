@@ -1,0 +1,35 @@
+//! kvroute-bridge: runs next to one vLLM or SGLang engine and turns its ZMQ KV events
+//! into kvroute event batches. It depends only on `kvroute-shared` (the chain and the
+//! wire types) and its own modules, because it ships with the engine, not the gateway.
+//!
+//! - [`vllm`]: the engines' msgpack event format, decoded defensively;
+//! - [`translate`]: engine blocks → kvroute chain hashes, sequence and epoch keeping;
+//! - [`sink`]: where batches go (NATS, or sidecars over HTTP);
+//! - [`run`]: the service (ZMQ receive, replay, engine-load poll, the ordered queue,
+//!   `/dump`, `/metrics`), and [`wait_for_signal`] for both kvroute binaries.
+
+pub mod run;
+pub mod sink;
+pub mod translate;
+pub mod vllm;
+
+pub use run::{run, BridgeArgs};
+
+/// SIGTERM or SIGINT (the shutdown signal of kvroute's services).
+pub async fn wait_for_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) {
+        (Ok(mut term), Ok(mut int)) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+        }
+        _ => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
