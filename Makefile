@@ -10,7 +10,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 .PHONY: demo test deps wasm build lint fmt reliability clean
 
 demo: deps wasm
-	$(CARGO) build --release -p kvroute-sidecar -p kvroute-tests
+	$(CARGO) build --release -p kvroute-sidecar -p kvroute-bridge -p kvroute-tests
 	@bash tests/demo.sh
 
 test: deps lint wasm
@@ -45,7 +45,7 @@ fmt:
 
 # The fault suite (also part of `make test`), its figures written to docs/reliability.md.
 reliability: deps wasm
-	$(CARGO) build -p kvroute-sidecar -p kvroute-tests
+	$(CARGO) build -p kvroute-sidecar -p kvroute-bridge -p kvroute-tests
 	@bash tests/reliability.sh
 
 clean:
