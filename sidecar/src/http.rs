@@ -136,12 +136,7 @@ fn status_of(code: u16) -> StatusCode {
 }
 
 async fn report_h(State(api): State<Api>, body: Bytes) -> Response {
-    let rejected = |n: usize| {
-        api.sc
-            .metrics
-            .reports_rejected
-            .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed)
-    };
+    let rejected = |n: usize| api.sc.metrics.reports_rejected.inc_by(n as u64);
     match ReportBatch::decode(&body) {
         Ok(batch) => {
             for r in &batch.reports {
@@ -254,10 +249,7 @@ async fn put_config_h(State(api): State<Api>, body: Bytes) -> Response {
     let cfg: PolicyConfig = match serde_json::from_slice(&body) {
         Ok(c) => c,
         Err(e) => {
-            api.sc
-                .metrics
-                .config_rejected
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            api.sc.metrics.config_rejected.inc();
             return (
                 StatusCode::BAD_REQUEST,
                 Json(json!({"error": "invalid config", "problems": [e.to_string()]})),
@@ -340,7 +332,7 @@ fn lookup(sc: &Sidecar, model: &str, chain: &[u64]) -> Response {
 
 async fn metrics_h(State(api): State<Api>) -> Response {
     let body = api.sc.metrics.render(&api.sc.gauges());
-    ([("content-type", "text/plain; version=0.0.4")], body).into_response()
+    ([("content-type", crate::metrics::CONTENT_TYPE)], body).into_response()
 }
 
 async fn ready_h(State(api): State<Api>) -> Response {
@@ -348,12 +340,7 @@ async fn ready_h(State(api): State<Api>) -> Response {
         .sc
         .nats_configured
         .load(std::sync::atomic::Ordering::Relaxed);
-    let nats_up = api
-        .sc
-        .metrics
-        .nats_connected
-        .load(std::sync::atomic::Ordering::Relaxed)
-        == 1;
+    let nats_up = api.sc.metrics.nats_connected.get() == 1;
     if nats_wanted && !nats_up {
         // Still serving (from HTTP ingestion and predicted mode), but say so.
         return (

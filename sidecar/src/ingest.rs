@@ -9,7 +9,6 @@
 //! pod's ingest lock, so two consumers cannot interleave them out of order.
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -113,22 +112,17 @@ pub fn ingest_at(
     let r = ingest_inner(sc, locks, batch, now);
     match &r {
         Ok(i) if i.duplicate => {
-            sc.metrics.duplicates.fetch_add(1, Ordering::Relaxed);
+            sc.metrics.duplicates.inc();
         }
         Ok(i) => {
-            sc.metrics.events_applied.fetch_add(1, Ordering::Relaxed);
-            sc.metrics
-                .event_blocks
-                .fetch_add(i.blocks_changed, Ordering::Relaxed);
+            sc.metrics.events_applied.inc();
+            sc.metrics.event_blocks.inc_by(i.blocks_changed);
             if let Some(ts) = batch.ts {
                 let now = std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .map(|d| d.as_secs_f64())
                     .unwrap_or(ts);
-                sc.metrics
-                    .event_lag
-                    .lock()
-                    .insert(batch.pod.clone(), (now - ts).max(0.0));
+                sc.metrics.set_event_lag(&batch.pod, (now - ts).max(0.0));
             }
         }
         Err(e) => sc.metrics.events_rejected.inc(e.reason(), 1),
@@ -228,7 +222,7 @@ fn ingest_inner(
             None
         };
         if out.gap {
-            sc.metrics.seq_gaps.fetch_add(1, Ordering::Relaxed);
+            sc.metrics.seq_gaps.inc();
             match resync_url {
                 Some(_) => pod.stale = true,
                 None => drop_blocks = true,
@@ -237,11 +231,11 @@ fn ingest_inner(
     }
 
     let mut handle = index.join(&b.pod).map_err(|e| {
-        sc.metrics.pods_refused.fetch_add(1, Ordering::Relaxed);
+        sc.metrics.pods_refused.inc();
         IngestError::Full(e.to_string())
     })?;
     if out.restarted {
-        sc.metrics.epochs.fetch_add(1, Ordering::Relaxed);
+        sc.metrics.epochs.inc();
         handle = reset_pod(sc, &index, b, "new epoch")?;
     }
     if drop_blocks {

@@ -1,158 +1,299 @@
-//! Prometheus metrics, hand-rolled: a few counters, gauges and histograms rendered in the
-//! text exposition format. A client library would bring a registry and macros we do not
-//! need; the hot-path updates here are single atomic adds, and labelled families (per
-//! pod, per reason) take a short mutex only where the label set is open-ended.
+//! The sidecar's Prometheus metrics, kept with `prometheus-client` (the same library the
+//! bridge uses): counters and histograms updated where things happen, gauges that
+//! describe state (pods, index size, decisions in flight) set from a [`Gauges`]
+//! snapshot when scraped. Exposed as OpenMetrics text.
+//!
+//! Metric names are a contract with dashboards; counters get their `_total` suffix from
+//! the library. Labelled counters carry one label each ([`Labeled`]).
 
-use std::collections::BTreeMap;
-use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 
-use parking_lot::Mutex;
+/// The label set of a one-label family.
+type Label = Vec<(&'static str, String)>;
 
-/// A histogram with fixed upper bounds.
-pub struct Histogram {
-    bounds: &'static [f64],
-    buckets: Vec<AtomicU64>,
-    sum_micros: AtomicU64,
-    count: AtomicU64,
+/// A counter family keyed by one label.
+#[derive(Clone)]
+pub struct Labeled {
+    label: &'static str,
+    family: Family<Label, Counter>,
 }
 
-impl Histogram {
-    pub fn new(bounds: &'static [f64]) -> Histogram {
-        Histogram {
-            bounds,
-            buckets: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
-            sum_micros: AtomicU64::new(0),
-            count: AtomicU64::new(0),
+impl Labeled {
+    fn new(label: &'static str) -> Labeled {
+        Labeled {
+            label,
+            family: Family::default(),
         }
     }
 
-    pub fn observe(&self, v: f64) {
-        if let Some(i) = self.bounds.iter().position(|b| v <= *b) {
-            self.buckets[i].fetch_add(1, Ordering::Relaxed);
-        }
-        self.sum_micros
-            .fetch_add((v * 1e6).max(0.0) as u64, Ordering::Relaxed);
-        self.count.fetch_add(1, Ordering::Relaxed);
+    pub fn inc(&self, value: &str, by: u64) {
+        self.family
+            .get_or_create(&vec![(self.label, value.to_string())])
+            .inc_by(by);
     }
 
-    fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let mut cum = 0;
-        for (b, c) in self.bounds.iter().zip(&self.buckets) {
-            cum += c.load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cum}");
-        }
-        let count = self.count.load(Ordering::Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
-        let _ = writeln!(
-            out,
-            "{name}_sum {}",
-            self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6
-        );
-        let _ = writeln!(out, "{name}_count {count}");
+    pub fn get(&self, value: &str) -> u64 {
+        self.family
+            .get_or_create(&vec![(self.label, value.to_string())])
+            .get()
+    }
+
+    fn forget(&self, value: &str) {
+        self.family.remove(&vec![(self.label, value.to_string())]);
     }
 }
 
-/// A counter family keyed by one label value.
-#[derive(Default)]
-pub struct Family(Mutex<BTreeMap<String, u64>>);
-
-impl Family {
-    pub fn inc(&self, label: &str, by: u64) {
-        let mut m = self.0.lock();
-        match m.get_mut(label) {
-            Some(v) => *v += by,
-            None => {
-                m.insert(label.to_string(), by);
-            }
-        }
-    }
-
-    pub fn get(&self, label: &str) -> u64 {
-        self.0.lock().get(label).copied().unwrap_or(0)
-    }
-
-    fn render(&self, out: &mut String, name: &str, label: &str, help: &str, kind: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        for (k, v) in self.0.lock().iter() {
-            let _ = writeln!(out, "{name}{{{label}=\"{}\"}} {v}", escape(k));
-        }
-    }
-}
-
-fn escape(s: &str) -> String {
-    s.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
-
-pub const LATENCY_BOUNDS: &[f64] = &[
+pub const LATENCY_BOUNDS: [f64; 11] = [
     0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.05,
 ];
-pub const BLOCK_BOUNDS: &[f64] = &[0.0, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0];
+pub const BLOCK_BOUNDS: [f64; 9] = [0.0, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0];
+
+/// State gauges, set from a snapshot at scrape time.
+struct StateGauges {
+    pods: Family<Label, Gauge>,
+    index_entries: Family<Label, Gauge>,
+    index_bytes: Family<Label, Gauge>,
+    predicted_entries: Gauge,
+    inflight: Gauge,
+}
 
 pub struct Metrics {
+    registry: Registry,
+    state: StateGauges,
     pub route_seconds: Histogram,
     pub matched_blocks: Histogram,
-    pub decisions: Family,
-    pub route_errors: Family,
-    pub events_applied: AtomicU64,
-    pub event_blocks: AtomicU64,
-    pub events_rejected: Family,
-    pub duplicates: AtomicU64,
-    pub seq_gaps: AtomicU64,
-    pub resyncs: Family,
-    pub epochs: AtomicU64,
-    pub pods_refused: AtomicU64,
-    pub reports: AtomicU64,
-    pub reports_rejected: AtomicU64,
-    pub cached_tokens: Family,
-    pub mispredictions: AtomicU64,
-    pub pods_removed: Family,
-    pub load_released: Family,
+    pub decisions: Labeled,
+    pub route_errors: Labeled,
+    pub events_applied: Counter,
+    pub event_blocks: Counter,
+    pub events_rejected: Labeled,
+    pub duplicates: Counter,
+    pub seq_gaps: Counter,
+    pub resyncs: Labeled,
+    pub epochs: Counter,
+    pub pods_refused: Counter,
+    pub reports: Counter,
+    pub reports_rejected: Counter,
+    pub cached_tokens: Labeled,
+    pub mispredictions: Counter,
+    pub pods_removed: Labeled,
+    pub load_released: Labeled,
     /// Reports by whether they named an outstanding decision ("released", "unknown",
     /// "none" when the report carries no decision id).
-    pub report_decisions: Family,
-    /// Load deltas between replicas: "published", "dropped_full", "publish_failed",
-    /// "applied", "ignored".
-    pub replica_deltas: Family,
-    pub event_lag: Mutex<BTreeMap<String, f64>>,
-    pub nats_connected: AtomicU64,
-    pub nats_messages: AtomicU64,
-    pub config_version: AtomicU64,
-    pub config_rejected: AtomicU64,
+    pub report_decisions: Labeled,
+    /// Load deltas between replicas: "queued", "published", "dropped_full",
+    /// "publish_failed", "applied", "ignored".
+    pub replica_deltas: Labeled,
+    event_lag: Family<Label, Gauge<f64, AtomicU64>>,
+    pub nats_connected: Gauge,
+    pub nats_messages: Counter,
+    pub config_version: Gauge,
+    pub config_rejected: Counter,
 }
 
 impl Default for Metrics {
     fn default() -> Self {
-        Metrics {
+        let mut r = Registry::default();
+        let m = Metrics {
             route_seconds: Histogram::new(LATENCY_BOUNDS),
             matched_blocks: Histogram::new(BLOCK_BOUNDS),
-            decisions: Family::default(),
-            route_errors: Family::default(),
-            events_applied: AtomicU64::new(0),
-            event_blocks: AtomicU64::new(0),
-            events_rejected: Family::default(),
-            duplicates: AtomicU64::new(0),
-            seq_gaps: AtomicU64::new(0),
-            resyncs: Family::default(),
-            epochs: AtomicU64::new(0),
-            pods_refused: AtomicU64::new(0),
-            reports: AtomicU64::new(0),
-            reports_rejected: AtomicU64::new(0),
-            cached_tokens: Family::default(),
-            mispredictions: AtomicU64::new(0),
-            pods_removed: Family::default(),
-            load_released: Family::default(),
-            report_decisions: Family::default(),
-            replica_deltas: Family::default(),
-            event_lag: Mutex::new(BTreeMap::new()),
-            nats_connected: AtomicU64::new(0),
-            nats_messages: AtomicU64::new(0),
-            config_version: AtomicU64::new(0),
-            config_rejected: AtomicU64::new(0),
+            decisions: Labeled::new("pod"),
+            route_errors: Labeled::new("reason"),
+            events_applied: Counter::default(),
+            event_blocks: Counter::default(),
+            events_rejected: Labeled::new("reason"),
+            duplicates: Counter::default(),
+            seq_gaps: Counter::default(),
+            resyncs: Labeled::new("how"),
+            epochs: Counter::default(),
+            pods_refused: Counter::default(),
+            reports: Counter::default(),
+            reports_rejected: Counter::default(),
+            cached_tokens: Labeled::new("source"),
+            mispredictions: Counter::default(),
+            pods_removed: Labeled::new("reason"),
+            load_released: Labeled::new("how"),
+            report_decisions: Labeled::new("outcome"),
+            replica_deltas: Labeled::new("outcome"),
+            event_lag: Family::default(),
+            nats_connected: Gauge::default(),
+            nats_messages: Counter::default(),
+            config_version: Gauge::default(),
+            config_rejected: Counter::default(),
+            state: StateGauges {
+                pods: Family::default(),
+                index_entries: Family::default(),
+                index_bytes: Family::default(),
+                predicted_entries: Gauge::default(),
+                inflight: Gauge::default(),
+            },
+            registry: Registry::default(),
+        };
+        let h = |r: &mut Registry, name: &str, help: &str, x: &Histogram| {
+            r.register(name, help, x.clone())
+        };
+        h(
+            &mut r,
+            "kvroute_route_seconds",
+            "Time to answer a route request.",
+            &m.route_seconds,
+        );
+        h(
+            &mut r,
+            "kvroute_matched_blocks",
+            "Blocks the chosen pod already held.",
+            &m.matched_blocks,
+        );
+        let labeled = [
+            (
+                "kvroute_decisions",
+                "Route decisions per pod.",
+                &m.decisions,
+            ),
+            (
+                "kvroute_route_errors",
+                "Route requests refused.",
+                &m.route_errors,
+            ),
+            (
+                "kvroute_event_batches_rejected",
+                "Event batches refused.",
+                &m.events_rejected,
+            ),
+            ("kvroute_resyncs", "Pod resyncs after a gap.", &m.resyncs),
+            (
+                "kvroute_cached_tokens",
+                "Cached prompt tokens, as the router predicted and as engines reported.",
+                &m.cached_tokens,
+            ),
+            ("kvroute_pods_removed", "Pods removed.", &m.pods_removed),
+            (
+                "kvroute_load_released",
+                "Projected load released.",
+                &m.load_released,
+            ),
+            (
+                "kvroute_report_decisions",
+                "Completion reports by the decision they named.",
+                &m.report_decisions,
+            ),
+            (
+                "kvroute_replica_deltas",
+                "Load deltas exchanged with other replicas.",
+                &m.replica_deltas,
+            ),
+        ];
+        for (name, help, f) in labeled {
+            r.register(name, help, f.family.clone());
         }
+        let counters = [
+            (
+                "kvroute_event_batches_applied",
+                "Event batches applied.",
+                &m.events_applied,
+            ),
+            (
+                "kvroute_event_blocks",
+                "Block changes carried by applied events.",
+                &m.event_blocks,
+            ),
+            (
+                "kvroute_event_duplicates",
+                "Batches ignored as duplicates or replays.",
+                &m.duplicates,
+            ),
+            (
+                "kvroute_event_seq_gaps",
+                "Sequence gaps detected (pod marked stale).",
+                &m.seq_gaps,
+            ),
+            (
+                "kvroute_engine_restarts",
+                "New epochs seen (engine restarts).",
+                &m.epochs,
+            ),
+            (
+                "kvroute_pods_refused",
+                "Pods refused (model full, unregistered).",
+                &m.pods_refused,
+            ),
+            (
+                "kvroute_reports",
+                "Completion reports received.",
+                &m.reports,
+            ),
+            (
+                "kvroute_reports_rejected",
+                "Completion reports refused as malformed (a bad body, or one element of a batch).",
+                &m.reports_rejected,
+            ),
+            (
+                "kvroute_mispredictions",
+                "Reports with fewer cached tokens than predicted.",
+                &m.mispredictions,
+            ),
+            (
+                "kvroute_nats_messages",
+                "Messages received from NATS.",
+                &m.nats_messages,
+            ),
+            (
+                "kvroute_config_rejected",
+                "Config updates refused.",
+                &m.config_rejected,
+            ),
+        ];
+        for (name, help, c) in counters {
+            r.register(name, help, c.clone());
+        }
+        r.register(
+            "kvroute_event_lag_seconds",
+            "Now minus the last batch's ts, per pod.",
+            m.event_lag.clone(),
+        );
+        r.register("kvroute_pods", "Pods by state.", m.state.pods.clone());
+        r.register(
+            "kvroute_index_entries",
+            "Blocks in the index.",
+            m.state.index_entries.clone(),
+        );
+        r.register(
+            "kvroute_index_bytes",
+            "Heap bytes of the index.",
+            m.state.index_bytes.clone(),
+        );
+        let gauges = [
+            (
+                "kvroute_predicted_entries",
+                "Blocks of predicted residency.",
+                &m.state.predicted_entries,
+            ),
+            (
+                "kvroute_inflight_decisions",
+                "Decisions whose load is still projected.",
+                &m.state.inflight,
+            ),
+            (
+                "kvroute_nats_connected",
+                "1 when the NATS connection is up.",
+                &m.nats_connected,
+            ),
+            (
+                "kvroute_config_version",
+                "Version of the policy in force.",
+                &m.config_version,
+            ),
+        ];
+        for (name, help, g) in gauges {
+            r.register(name, help, g.clone());
+        }
+        Metrics { registry: r, ..m }
     }
 }
 
@@ -168,212 +309,52 @@ pub struct Gauges {
     pub inflight: u64,
 }
 
+fn gauge_value(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
 impl Metrics {
+    /// The event stream of `pod` is this many seconds behind.
+    pub fn set_event_lag(&self, pod: &str, seconds: f64) {
+        self.event_lag
+            .get_or_create(&vec![("pod", pod.to_string())])
+            .set(seconds);
+    }
+
+    /// A pod left: its per-pod series go with it.
+    pub fn forget_pod(&self, pod: &str) {
+        self.event_lag.remove(&vec![("pod", pod.to_string())]);
+        self.decisions.forget(pod);
+    }
+
+    /// The OpenMetrics text of every metric, with the state gauges set from `g`.
     pub fn render(&self, g: &Gauges) -> String {
-        let mut o = String::with_capacity(4096);
-        let c = |o: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
-        };
-        let gauge = |o: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
-        };
-        self.route_seconds.render(
-            &mut o,
-            "kvroute_route_seconds",
-            "Time to answer a route request.",
-        );
-        self.matched_blocks.render(
-            &mut o,
-            "kvroute_matched_blocks",
-            "Blocks the chosen pod already held.",
-        );
-        self.decisions.render(
-            &mut o,
-            "kvroute_decisions_total",
-            "pod",
-            "Route decisions per pod.",
-            "counter",
-        );
-        self.route_errors.render(
-            &mut o,
-            "kvroute_route_errors_total",
-            "reason",
-            "Route requests refused.",
-            "counter",
-        );
-        let r = |v: &AtomicU64| v.load(Ordering::Relaxed);
-        c(
-            &mut o,
-            "kvroute_event_batches_applied_total",
-            "Event batches applied.",
-            r(&self.events_applied),
-        );
-        c(
-            &mut o,
-            "kvroute_event_blocks_total",
-            "Block changes carried by applied events.",
-            r(&self.event_blocks),
-        );
-        self.events_rejected.render(
-            &mut o,
-            "kvroute_event_batches_rejected_total",
-            "reason",
-            "Event batches refused.",
-            "counter",
-        );
-        c(
-            &mut o,
-            "kvroute_event_duplicates_total",
-            "Batches ignored as duplicates or replays.",
-            r(&self.duplicates),
-        );
-        c(
-            &mut o,
-            "kvroute_event_seq_gaps_total",
-            "Sequence gaps detected (pod marked stale).",
-            r(&self.seq_gaps),
-        );
-        self.resyncs.render(
-            &mut o,
-            "kvroute_resyncs_total",
-            "how",
-            "Pod resyncs after a gap.",
-            "counter",
-        );
-        c(
-            &mut o,
-            "kvroute_engine_restarts_total",
-            "New epochs seen (engine restarts).",
-            r(&self.epochs),
-        );
-        c(
-            &mut o,
-            "kvroute_pods_refused_total",
-            "Pods refused (model full, unregistered).",
-            r(&self.pods_refused),
-        );
-        c(
-            &mut o,
-            "kvroute_reports_total",
-            "Completion reports received.",
-            r(&self.reports),
-        );
-        c(
-            &mut o,
-            "kvroute_reports_rejected_total",
-            "Completion reports refused as malformed (a bad body, or one element of a batch).",
-            r(&self.reports_rejected),
-        );
-        self.cached_tokens.render(
-            &mut o,
-            "kvroute_cached_tokens_total",
-            "source",
-            "Cached prompt tokens, as the router predicted and as engines reported.",
-            "counter",
-        );
-        c(
-            &mut o,
-            "kvroute_mispredictions_total",
-            "Reports with fewer cached tokens than predicted.",
-            r(&self.mispredictions),
-        );
-        self.pods_removed.render(
-            &mut o,
-            "kvroute_pods_removed_total",
-            "reason",
-            "Pods removed.",
-            "counter",
-        );
-        self.load_released.render(
-            &mut o,
-            "kvroute_load_released_total",
-            "how",
-            "Projected load released.",
-            "counter",
-        );
-        self.report_decisions.render(
-            &mut o,
-            "kvroute_report_decisions_total",
-            "outcome",
-            "Completion reports by the decision they named.",
-            "counter",
-        );
-        self.replica_deltas.render(
-            &mut o,
-            "kvroute_replica_deltas_total",
-            "outcome",
-            "Load deltas exchanged with other replicas.",
-            "counter",
-        );
-        let _ = writeln!(o, "# HELP kvroute_event_lag_seconds Now minus the last batch's ts, per pod.\n# TYPE kvroute_event_lag_seconds gauge");
-        for (pod, lag) in self.event_lag.lock().iter() {
-            let _ = writeln!(
-                o,
-                "kvroute_event_lag_seconds{{pod=\"{}\"}} {lag}",
-                escape(pod)
-            );
-        }
-        let _ = writeln!(
-            o,
-            "# HELP kvroute_pods Pods by state.\n# TYPE kvroute_pods gauge"
-        );
+        let s = &self.state;
         for (state, v) in [
             ("live", g.pods_live),
             ("stale", g.pods_stale),
             ("draining", g.pods_draining),
         ] {
-            let _ = writeln!(o, "kvroute_pods{{state=\"{state}\"}} {v}");
+            s.pods
+                .get_or_create(&vec![("state", state.to_string())])
+                .set(gauge_value(v));
         }
-        let _ = writeln!(
-            o,
-            "# HELP kvroute_index_entries Blocks in the index.\n# TYPE kvroute_index_entries gauge"
-        );
-        for (m, e, _) in &g.index {
-            let _ = writeln!(o, "kvroute_index_entries{{model=\"{}\"}} {e}", escape(m));
+        // Models come and go: only the current ones are shown.
+        s.index_entries.clear();
+        s.index_bytes.clear();
+        for (m, e, b) in &g.index {
+            let l = vec![("model", m.clone())];
+            s.index_entries.get_or_create(&l).set(gauge_value(*e));
+            s.index_bytes.get_or_create(&l).set(gauge_value(*b));
         }
-        let _ = writeln!(
-            o,
-            "# HELP kvroute_index_bytes Heap bytes of the index.\n# TYPE kvroute_index_bytes gauge"
-        );
-        for (m, _, b) in &g.index {
-            let _ = writeln!(o, "kvroute_index_bytes{{model=\"{}\"}} {b}", escape(m));
-        }
-        gauge(
-            &mut o,
-            "kvroute_predicted_entries",
-            "Blocks of predicted residency.",
-            g.predicted_entries,
-        );
-        gauge(
-            &mut o,
-            "kvroute_inflight_decisions",
-            "Decisions whose load is still projected.",
-            g.inflight,
-        );
-        gauge(
-            &mut o,
-            "kvroute_nats_connected",
-            "1 when the NATS connection is up.",
-            r(&self.nats_connected),
-        );
-        c(
-            &mut o,
-            "kvroute_nats_messages_total",
-            "Messages received from NATS.",
-            r(&self.nats_messages),
-        );
-        gauge(
-            &mut o,
-            "kvroute_config_version",
-            "Version of the policy in force.",
-            r(&self.config_version),
-        );
-        c(
-            &mut o,
-            "kvroute_config_rejected_total",
-            "Config updates refused.",
-            r(&self.config_rejected),
-        );
-        o
+        s.predicted_entries.set(gauge_value(g.predicted_entries));
+        s.inflight.set(gauge_value(g.inflight));
+        let mut out = String::with_capacity(8192);
+        // Writing to a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
     }
 }
+
+/// The content type of [`Metrics::render`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";

@@ -50,7 +50,7 @@ pub async fn connect(sc: &Arc<Sidecar>, o: &NatsOpts) -> anyhow::Result<async_na
                     _ => None,
                 };
                 if let Some(v) = up {
-                    sc.metrics.nats_connected.store(v, Ordering::Relaxed);
+                    sc.metrics.nats_connected.set(v as i64);
                     tracing::info!("nats: {ev}");
                 }
             }
@@ -160,7 +160,7 @@ async fn consume(
             }
             msg = sub.next() => {
                 let Some(msg) = msg else { break };
-                sc.metrics.nats_messages.fetch_add(1, Ordering::Relaxed);
+                sc.metrics.nats_messages.inc();
                 match EventBatch::decode(&msg.payload) {
                     Ok(batch) => {
                         if let Err(e) = ingest::ingest(sc, locks, &batch) {

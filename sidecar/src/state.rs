@@ -124,7 +124,7 @@ impl Sidecar {
         let mut cfg = cfg;
         cfg.version = cfg.version.max(1);
         let metrics = Metrics::default();
-        metrics.config_version.store(cfg.version, Ordering::Relaxed);
+        metrics.config_version.set(cfg.version as i64);
         let replica = format!(
             "{:016x}",
             xxhash_rust::xxh3::xxh3_64(
@@ -168,13 +168,13 @@ impl Sidecar {
         given_version: Option<u64>,
     ) -> Result<Arc<PolicyConfig>, ConfigError> {
         if let Err(errs) = new.validate() {
-            self.metrics.config_rejected.fetch_add(1, Ordering::Relaxed);
+            self.metrics.config_rejected.inc();
             return Err(ConfigError::Invalid(errs));
         }
         let mut cur = self.config.write();
         if let Some(v) = given_version.filter(|v| *v != 0) {
             if v != cur.version {
-                self.metrics.config_rejected.fetch_add(1, Ordering::Relaxed);
+                self.metrics.config_rejected.inc();
                 return Err(ConfigError::VersionConflict {
                     current: cur.version,
                     given: v,
@@ -186,9 +186,7 @@ impl Sidecar {
             ix.set_max_blocks(new.model(&model).max_blocks);
         }
         *cur = Arc::new(new);
-        self.metrics
-            .config_version
-            .store(cur.version, Ordering::Relaxed);
+        self.metrics.config_version.set(cur.version as i64);
         Ok(cur.clone())
     }
 
@@ -244,7 +242,7 @@ impl Sidecar {
         }
         // Join the index now so that the 257th pod is refused at registration.
         self.index(&reg.model).join(id).map_err(|e| {
-            self.metrics.pods_refused.fetch_add(1, Ordering::Relaxed);
+            self.metrics.pods_refused.inc();
             self.pods.lock().remove(id);
             RegisterError::ModelFull(e.to_string())
         })?;
@@ -273,6 +271,7 @@ impl Sidecar {
                 .insert(id.to_string(), pod.epoch.clone());
         }
         self.drop_from_index(&pod.reg.model, id);
+        self.metrics.forget_pod(id);
         self.metrics.pods_removed.inc(reason, 1);
         true
     }

@@ -202,8 +202,17 @@ async fn vllm_events_reach_the_index_under_the_filters_hashes() {
     // SIGTERM: the bridge stops its tasks, sends what is queued and exits cleanly.
     let mut bridge = bridge;
     let t = std::time::Instant::now();
-    assert_eq!(bridge.child.terminate(Duration::from_secs(10)), Some(0), "{}", bridge.log());
-    assert!(t.elapsed() < Duration::from_secs(6), "shutdown took {:?}", t.elapsed());
+    assert_eq!(
+        bridge.child.terminate(Duration::from_secs(10)),
+        Some(0),
+        "{}",
+        bridge.log()
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(6),
+        "shutdown took {:?}",
+        t.elapsed()
+    );
 }
 
 /// vLLM's replay socket: a ROUTER that answers a start sequence with every buffered

@@ -16,7 +16,6 @@
 //! server; `run` returns when every task has ended.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,11 +26,16 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use futures::StreamExt;
 use parking_lot::Mutex;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::sink::EventSink;
-use crate::translate::Translator;
+use crate::translate::{Stats as TranslatorStats, Translator};
 use crate::vllm;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -130,18 +134,156 @@ impl BridgeArgs {
     }
 }
 
-#[derive(Default)]
+/// The bridge's own counters (`prometheus-client`, as the sidecar's metrics). The
+/// translator's statistics are copied into their series at scrape time.
 struct Counters {
-    messages: AtomicU64,
-    bad_frames: AtomicU64,
-    bad_payloads: AtomicU64,
-    send_failures: AtomicU64,
-    replayed: AtomicU64,
-    replay_failures: AtomicU64,
-    load_polls: AtomicU64,
-    load_poll_failures: AtomicU64,
-    queue_drops: AtomicU64,
+    registry: Registry,
+    messages: Counter,
+    bad_frames: Counter,
+    bad_payloads: Counter,
+    send_failures: Counter,
+    replayed: Counter,
+    replay_failures: Counter,
+    load_polls: Counter,
+    load_poll_failures: Counter,
+    queue_drops: Counter,
+    /// Translator statistics, brought up to its totals when scraped.
+    translated: [Counter; 6],
+    skipped: Family<Vec<(&'static str, String)>, Counter>,
+    known_blocks: Gauge,
+    /// One scrape at a time brings the counters up to the totals.
+    scrape: Mutex<()>,
 }
+
+impl Default for Counters {
+    fn default() -> Self {
+        let mut registry = Registry::default();
+        let c = Counters {
+            registry: Registry::default(),
+            messages: Counter::default(),
+            bad_frames: Counter::default(),
+            bad_payloads: Counter::default(),
+            send_failures: Counter::default(),
+            replayed: Counter::default(),
+            replay_failures: Counter::default(),
+            load_polls: Counter::default(),
+            load_poll_failures: Counter::default(),
+            queue_drops: Counter::default(),
+            translated: Default::default(),
+            skipped: Family::default(),
+            known_blocks: Gauge::default(),
+            scrape: Mutex::new(()),
+        };
+        for (name, help, m) in [
+            ("messages", "ZMQ messages received.", &c.messages),
+            (
+                "bad_frames",
+                "Messages without (topic, seq, payload) frames.",
+                &c.bad_frames,
+            ),
+            (
+                "bad_payloads",
+                "Payloads that are not an engine event batch.",
+                &c.bad_payloads,
+            ),
+            (
+                "send_failures",
+                "Batches a destination refused or did not get.",
+                &c.send_failures,
+            ),
+            (
+                "replayed",
+                "Engine batches recovered from its replay socket.",
+                &c.replayed,
+            ),
+            (
+                "replay_failures",
+                "Gaps the replay socket could not fill.",
+                &c.replay_failures,
+            ),
+            (
+                "queue_drops",
+                "Batches dropped because the destinations fell behind (sidecars resync).",
+                &c.queue_drops,
+            ),
+            (
+                "load_polls",
+                "Polls of the engine's metrics for its load.",
+                &c.load_polls,
+            ),
+            (
+                "load_poll_failures",
+                "Polls that got no load (unreachable, or no known metric).",
+                &c.load_poll_failures,
+            ),
+        ] {
+            registry.register(format!("kvroute_bridge_{name}"), help, m.clone());
+        }
+        for ((name, help), m) in TRANSLATED.iter().zip(&c.translated) {
+            registry.register(format!("kvroute_bridge_{name}"), *help, m.clone());
+        }
+        registry.register(
+            "kvroute_bridge_blocks_skipped",
+            "Blocks not translated, by reason.",
+            c.skipped.clone(),
+        );
+        registry.register(
+            "kvroute_bridge_known_blocks",
+            "Engine blocks with a kvroute name.",
+            c.known_blocks.clone(),
+        );
+        Counters { registry, ..c }
+    }
+}
+
+impl Counters {
+    fn render(&self, s: &TranslatorStats, known: usize) -> String {
+        let _one = self.scrape.lock();
+        let g = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        // The translator keeps totals; each counter is raised to its total.
+        let catch_up = |c: &Counter, total: u64| {
+            c.inc_by(total.saturating_sub(c.get()));
+        };
+        let totals = [
+            s.batches_out,
+            s.duplicates,
+            s.gaps,
+            s.restarts,
+            s.blocks_stored,
+            s.blocks_removed,
+        ];
+        for (c, total) in self.translated.iter().zip(totals) {
+            catch_up(c, total);
+        }
+        for (why, v) in &s.skipped {
+            catch_up(
+                &self
+                    .skipped
+                    .get_or_create(&vec![("reason", why.to_string())]),
+                *v,
+            );
+        }
+        self.known_blocks.set(g(known as u64));
+        let mut out = String::new();
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// The translator's totals, in the order of `Counters::translated`.
+const TRANSLATED: [(&str, &str); 6] = [
+    ("batches_out", "kvroute event batches published."),
+    ("duplicates", "Engine batches seen twice."),
+    (
+        "gaps",
+        "Engine sequence gaps left open (each starts a new epoch).",
+    ),
+    ("restarts", "Engine restarts seen."),
+    ("blocks_stored", "Blocks translated as stored."),
+    ("blocks_removed", "Blocks translated as removed."),
+];
+
+const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 struct Bridge {
     tr: Mutex<Translator>,
@@ -218,7 +360,7 @@ fn queue(br: &Bridge, tx: &Out, b: kvroute_shared::protocol::EventBatch) -> bool
     match tx.try_send(b) {
         Ok(()) => true,
         Err(tokio::sync::mpsc::error::TrySendError::Full(_)) => {
-            br.n.queue_drops.fetch_add(1, Ordering::Relaxed);
+            br.n.queue_drops.inc();
             true
         }
         Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => false,
@@ -271,11 +413,11 @@ async fn receive(br: Arc<Bridge>, a: BridgeArgs, tx: Out, mut stop: watch::Recei
                 continue;
             }
         };
-        br.n.messages.fetch_add(1, Ordering::Relaxed);
+        br.n.messages.inc();
         // (topic, sequence as 8 bytes big-endian, msgpack payload)
         let frames = msg.into_vec();
         let Some((seq, payload)) = seq_and_payload(frames.get(1), frames.get(2)) else {
-            br.n.bad_frames.fetch_add(1, Ordering::Relaxed);
+            br.n.bad_frames.inc();
             continue;
         };
         let last = br.tr.lock().last_engine_seq();
@@ -303,7 +445,7 @@ fn apply(br: &Bridge, seq: u64, payload: &[u8], tx: &Out) -> bool {
     let batch = match vllm::decode(payload) {
         Ok(b) => b,
         Err(e) => {
-            br.n.bad_payloads.fetch_add(1, Ordering::Relaxed);
+            br.n.bad_payloads.inc();
             tracing::warn!(seq, "engine event batch refused: {e}");
             return true;
         }
@@ -320,11 +462,10 @@ async fn fill_gap(br: &Bridge, endpoint: &str, from: u64, until: u64, tx: &Out) 
             for (seq, payload) in &missed {
                 apply(br, *seq, payload, tx);
             }
-            br.n.replayed
-                .fetch_add(missed.len() as u64, Ordering::Relaxed);
+            br.n.replayed.inc_by(missed.len() as u64);
         }
         None => {
-            br.n.replay_failures.fetch_add(1, Ordering::Relaxed);
+            br.n.replay_failures.inc();
         }
     }
 }
@@ -380,13 +521,13 @@ async fn poll_load(
             _ = stop.changed() => return,
             _ = tick.tick() => {}
         }
-        br.n.load_polls.fetch_add(1, Ordering::Relaxed);
+        br.n.load_polls.inc();
         let text = match http.get(&url).send().await {
             Ok(r) if r.status().is_success() => r.text().await.ok(),
             _ => None,
         };
         let Some((running, waiting, usage)) = text.as_deref().and_then(vllm::engine_load) else {
-            br.n.load_poll_failures.fetch_add(1, Ordering::Relaxed);
+            br.n.load_poll_failures.inc();
             continue;
         };
         let b = br.tr.lock().load(running, waiting, usage);
@@ -407,8 +548,7 @@ async fn publish(
     let send_all = async {
         while let Some(b) = rx.recv().await {
             let failed = sink.send(&b).await;
-            br.n.send_failures
-                .fetch_add(failed as u64, Ordering::Relaxed);
+            br.n.send_failures.inc_by(failed as u64);
         }
     };
     tokio::pin!(send_all);
@@ -430,85 +570,8 @@ async fn metrics(State(br): State<Arc<Bridge>>) -> impl IntoResponse {
         let t = br.tr.lock();
         (t.stats.clone(), t.known_blocks())
     };
-    let n = |c: &AtomicU64| c.load(Ordering::Relaxed);
-    let counters = [
-        ("messages", "ZMQ messages received.", n(&br.n.messages)),
-        (
-            "bad_frames",
-            "Messages without (topic, seq, payload) frames.",
-            n(&br.n.bad_frames),
-        ),
-        (
-            "bad_payloads",
-            "Payloads that are not an engine event batch.",
-            n(&br.n.bad_payloads),
-        ),
-        (
-            "send_failures",
-            "Batches a destination refused or did not get.",
-            n(&br.n.send_failures),
-        ),
-        (
-            "replayed",
-            "Engine batches recovered from its replay socket.",
-            n(&br.n.replayed),
-        ),
-        (
-            "replay_failures",
-            "Gaps the replay socket could not fill.",
-            n(&br.n.replay_failures),
-        ),
-        (
-            "queue_drops",
-            "Batches dropped because the destinations fell behind (sidecars resync).",
-            n(&br.n.queue_drops),
-        ),
-        (
-            "load_polls",
-            "Polls of the engine's metrics for its load.",
-            n(&br.n.load_polls),
-        ),
-        (
-            "load_poll_failures",
-            "Polls that got no load (unreachable, or no known metric).",
-            n(&br.n.load_poll_failures),
-        ),
-        (
-            "batches_out",
-            "kvroute event batches published.",
-            s.batches_out,
-        ),
-        ("duplicates", "Engine batches seen twice.", s.duplicates),
-        (
-            "gaps",
-            "Engine sequence gaps left open (each starts a new epoch).",
-            s.gaps,
-        ),
-        ("restarts", "Engine restarts seen.", s.restarts),
-        (
-            "blocks_stored",
-            "Blocks translated as stored.",
-            s.blocks_stored,
-        ),
-        (
-            "blocks_removed",
-            "Blocks translated as removed.",
-            s.blocks_removed,
-        ),
-    ];
-    let mut out = String::new();
-    for (name, help, v) in counters {
-        let name = format!("kvroute_bridge_{name}_total");
-        out += &format!("# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}\n");
-    }
-    out += &format!(
-        "# HELP kvroute_bridge_known_blocks Engine blocks with a kvroute name.\n\
-         # TYPE kvroute_bridge_known_blocks gauge\nkvroute_bridge_known_blocks {known}\n\
-         # HELP kvroute_bridge_blocks_skipped_total Blocks not translated, by reason.\n\
-         # TYPE kvroute_bridge_blocks_skipped_total counter\n"
-    );
-    for (why, v) in &s.skipped {
-        out += &format!("kvroute_bridge_blocks_skipped_total{{reason=\"{why}\"}} {v}\n");
-    }
-    ([("content-type", "text/plain; version=0.0.4")], out)
+    (
+        [("content-type", METRICS_CONTENT_TYPE)],
+        br.n.render(&s, known),
+    )
 }

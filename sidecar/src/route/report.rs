@@ -2,7 +2,6 @@
 //! decision the report names (once), and predicted residency learns from the engine's
 //! `cached_tokens`.
 
-use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use kvroute_shared::protocol::CompletionReport;
@@ -17,7 +16,7 @@ pub fn report(sc: &Sidecar, r: &CompletionReport) {
 }
 
 pub fn report_at(sc: &Sidecar, r: &CompletionReport, now: Instant) {
-    sc.metrics.reports.fetch_add(1, Ordering::Relaxed);
+    sc.metrics.reports.inc();
     let cfg = sc.config();
     // Circuit breaker: consecutive server errors open it; a client abort (no status)
     // says nothing about the pod.
@@ -51,7 +50,7 @@ pub fn report_at(sc: &Sidecar, r: &CompletionReport, now: Instant) {
             let bs = cfg.block_size(&d.d.model, Mode::Tokens) as u64;
             let mispredicted = (c as u64) + bs < d.d.expected_cached;
             if mispredicted {
-                sc.metrics.mispredictions.fetch_add(1, Ordering::Relaxed);
+                sc.metrics.mispredictions.inc();
             }
             sc.predicted.feedback(
                 &r.pod,

@@ -392,16 +392,18 @@ fn hasher_table(n: usize, probes: usize) -> serde_json::Value {
     let ident = bench(BuildHasherDefault::<Ident>::default(), &keys, probes);
     let mix = bench(kvroute_sidecar::index::KeyHasher::new(12345), &keys, probes);
     let fold = bench(hashbrown::DefaultHashBuilder::default(), &keys, probes);
+    let ahash = bench(ahash::RandomState::with_seed(12345), &keys, probes);
     let sip = bench(
         std::collections::hash_map::RandomState::new(),
         &keys,
         probes,
     );
-    println!("  in-shard hasher, ns per probe: identity {ident}, seeded mix {mix}, foldhash {fold}, SipHash {sip}");
+    println!("  in-shard hasher, ns per probe: identity {ident}, seeded mix {mix}, ahash {ahash}, foldhash {fold}, SipHash {sip}");
     let mut m = HashMap::new();
     m.insert("identity", ident);
     m.insert("seeded_mix", mix);
     m.insert("foldhash", fold);
+    m.insert("ahash", ahash);
     m.insert("siphash", sip);
     json!(m)
 }
