@@ -4,6 +4,11 @@
 //! those unwrap host errors (a header set after the router picked a host, a non-UTF-8
 //! header value) and a panic here would hang a paused request. Every host call's error
 //! is turned into "continue unsteered".
+//!
+//! One file on purpose (~500 lines): a request's host calls read top to bottom here, in
+//! the order Envoy makes them (headers → body → callout answer → response → log), and
+//! the state machine between them is easiest to check for a path that could hang a
+//! request when it is all in view.
 
 use std::cell::RefCell;
 use std::rc::Rc;

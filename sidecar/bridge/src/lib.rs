@@ -8,6 +8,7 @@
 //! - [`run`]: the service (ZMQ receive, replay, engine-load poll, the ordered queue,
 //!   `/dump`, `/metrics`), and [`wait_for_signal`] for both kvroute binaries.
 
+mod metrics;
 pub mod run;
 pub mod sink;
 pub mod translate;
