@@ -188,7 +188,7 @@ impl ModelIndex {
         let hasher = KeyHasher::new(seed);
         ModelIndex {
             shards: (0..SHARDS)
-                .map(|_| Padded(RwLock::new(Shard::new(hasher))))
+                .map(|_| Padded(RwLock::new(Shard::new(hasher.clone()))))
                 .collect(),
             alive: AliveBitmap::default(),
             owners_epoch: AtomicU64::new(0),
@@ -200,7 +200,7 @@ impl ModelIndex {
             pods: (0..MAX_SLOTS)
                 .map(|_| PodData {
                     blocks: AtomicU64::new(0),
-                    writer: Mutex::new(Tiers::new(hasher)),
+                    writer: Mutex::new(Tiers::new(hasher.clone())),
                 })
                 .collect(),
             shard_cap: AtomicUsize::new(Self::per_shard(max_blocks)),

@@ -77,7 +77,7 @@ impl Tiers {
     }
 
     pub fn clear(&mut self) {
-        self.map = HashMap::with_hasher(*self.map.hasher());
+        self.map = HashMap::with_hasher(self.map.hasher().clone());
     }
 
     pub fn heap_bytes(&self) -> usize {
