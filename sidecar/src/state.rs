@@ -53,8 +53,8 @@ pub struct Channels {
 pub const OUTBOX_CAPACITY: usize = 4096;
 
 pub struct Sidecar {
-    pub indexes: Indexes,
-    pub predicted: Predicted,
+    pub(crate) indexes: Indexes,
+    pub(crate) predicted: Predicted,
     pub(crate) pods: Mutex<Pods>,
     config: RwLock<Arc<PolicyConfig>>,
     ledger: Ledger,
@@ -64,8 +64,8 @@ pub struct Sidecar {
     pub(crate) tombstones: Mutex<HashMap<String, Option<String>>>,
     pub metrics: Metrics,
     cleanup_tx: mpsc::UnboundedSender<CleanupJob>,
-    pub resync_tx: mpsc::UnboundedSender<ResyncJob>,
-    pub nats_configured: AtomicBool,
+    pub(crate) resync_tx: mpsc::UnboundedSender<ResyncJob>,
+    pub(crate) nats_configured: AtomicBool,
     pub started: Instant,
     outbox: mpsc::Sender<LoadDelta>,
     /// Someone publishes the outbox (otherwise deltas are not even queued).
