@@ -13,7 +13,11 @@ demo: deps wasm
 	$(CARGO) build --release -p kvroute-sidecar -p kvroute-bridge -p kvroute-tests
 	@bash tests/demo.sh
 
+# The end-to-end tests start the workspace's binaries (the sidecar, the bridge, the
+# engine simulator): build them all first, since `cargo test` builds only the binaries of
+# packages that have integration tests.
 test: deps lint wasm
+	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace --no-fail-fast
 
 deps:

@@ -69,15 +69,36 @@ pub fn sweep(sc: &Sidecar, now: Instant) {
         .expire(Duration::from_secs(cfg.predicted_ttl_s), now);
 }
 
+/// The largest dump body the sidecar reads (a pod's whole cache as JSON: ~20 bytes a
+/// block, so ~3M blocks).
+pub const MAX_DUMP_BYTES: usize = 64 << 20;
+
+/// The body of `resp`, refused once it passes `cap` bytes.
+async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Result<Vec<u8>, String> {
+    if resp.content_length().is_some_and(|n| n > cap as u64) {
+        return Err(format!("dump larger than {cap} bytes"));
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = resp.chunk().await.map_err(|e| e.to_string())? {
+        if body.len() + chunk.len() > cap {
+            return Err(format!("dump larger than {cap} bytes"));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
+
 /// Fetch dumps for pods that fell behind, one at a time.
 pub async fn resyncs(
     sc: Arc<Sidecar>,
     locks: Arc<IngestLocks>,
-    mut jobs: mpsc::UnboundedReceiver<ResyncJob>,
+    mut jobs: mpsc::Receiver<ResyncJob>,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    // No redirects: the URL was checked, where it would send us was not.
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(10))
+        .redirect(reqwest::redirect::Policy::none())
         .build()
         .unwrap_or_default();
     loop {
@@ -94,7 +115,7 @@ pub async fn resyncs(
             if !resp.status().is_success() {
                 return Err(format!("status {}", resp.status()));
             }
-            let body = resp.bytes().await.map_err(|e| e.to_string())?;
+            let body = read_capped(resp, MAX_DUMP_BYTES).await?;
             EventBatch::decode(&body).map_err(|e| e.to_string())
         }
         .await;
@@ -113,6 +134,7 @@ pub async fn resyncs(
         })
         .await;
         let result = outcome.unwrap_or_else(|e| Err(e.to_string()));
+        sc.resync_done(&job.pod);
         match result {
             Ok(n) => tracing::info!(pod = %job.pod, blocks = n, "resynced from dump"),
             Err(e) => {

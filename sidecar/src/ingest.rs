@@ -22,6 +22,20 @@ use crate::state::{ResyncJob, Sidecar};
 /// Why a well-formed batch was refused (decode errors are refused before this).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum IngestError {
+    /// The pod is not an `IP:port`.
+    BadPod(String),
+    /// The registry is full ([`MAX_PODS`]).
+    TooManyPods(String),
+    /// The sidecar indexes [`MAX_MODELS`] models already.
+    TooManyModels(String),
+    /// The batch's sequence number is more than [`MAX_SEQ_JUMP`] ahead of the last one
+    /// seen in its epoch: refused, so nobody can push a pod's high-water mark to the end
+    /// of the range and have its real batches dropped as duplicates.
+    SeqJump {
+        pod: String,
+        last: u64,
+        got: u64,
+    },
     Unregistered(String),
     Removed(String),
     ModelMismatch {
@@ -35,6 +49,10 @@ pub enum IngestError {
 impl IngestError {
     pub fn reason(&self) -> &'static str {
         match self {
+            IngestError::BadPod(_) => "bad_pod",
+            IngestError::TooManyPods(_) => "pod_cap",
+            IngestError::TooManyModels(_) => "model_cap",
+            IngestError::SeqJump { .. } => "seq_jump",
             IngestError::Unregistered(_) => "unregistered_pod",
             IngestError::Removed(_) => "removed_pod",
             IngestError::ModelMismatch { .. } => "model_mismatch",
@@ -46,6 +64,17 @@ impl IngestError {
 impl std::fmt::Display for IngestError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
+            IngestError::BadPod(p) => write!(f, "pod {p:?} must be IP:port"),
+            IngestError::TooManyPods(p) => {
+                write!(f, "pod {p} refused: the sidecar tracks {MAX_PODS} pods already")
+            }
+            IngestError::TooManyModels(m) => {
+                write!(f, "model {m:?} refused: the sidecar indexes {MAX_MODELS} models already")
+            }
+            IngestError::SeqJump { pod, last, got } => write!(
+                f,
+                "pod {pod}: seq {got} jumps more than {MAX_SEQ_JUMP} past {last} in one epoch"
+            ),
             IngestError::Unregistered(p) => {
                 write!(f, "pod {p} is not registered (require_registration is on)")
             }
@@ -68,6 +97,13 @@ impl std::fmt::Display for IngestError {
     }
 }
 
+/// Pods the registry tracks at most (registered, and learned from events).
+pub const MAX_PODS: usize = 4096;
+/// Models the sidecar indexes at most (each index costs ~150 KB empty).
+pub const MAX_MODELS: usize = 64;
+/// How far a batch may run ahead of the last sequence number of its epoch.
+pub const MAX_SEQ_JUMP: u64 = 1 << 16;
+
 /// What a batch did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Ingested {
@@ -87,6 +123,11 @@ impl IngestLocks {
         let mut m = self.0.lock();
         if let Some(l) = m.get(pod) {
             return l.clone();
+        }
+        // Locks of pods that left are not needed once nobody holds them; admission keeps
+        // the live ones under MAX_PODS.
+        if m.len() >= MAX_PODS {
+            m.retain(|_, l| Arc::strong_count(l) > 1);
         }
         let l = Arc::new(Mutex::new(()));
         m.insert(Arc::from(pod), l.clone());
@@ -137,6 +178,24 @@ fn ingest_inner(
     now: Instant,
 ) -> Result<Ingested, IngestError> {
     let cfg = sc.config();
+    // Admission, before anything is allocated for this pod or model.
+    if !crate::state::valid_pod_id(&b.pod) {
+        return Err(IngestError::BadPod(b.pod.clone()));
+    }
+    {
+        let pods = sc.pods.lock();
+        if !pods.contains_key(b.pod.as_str()) {
+            if cfg.require_registration {
+                return Err(IngestError::Unregistered(b.pod.clone()));
+            }
+            if pods.len() >= MAX_PODS {
+                return Err(IngestError::TooManyPods(b.pod.clone()));
+            }
+        }
+    }
+    let Some(index) = sc.index(&b.model) else {
+        return Err(IngestError::TooManyModels(b.model.clone()));
+    };
     let lock = locks.get(&b.pod);
     let _serial = lock.lock();
     let mut out = Ingested::default();
@@ -149,7 +208,6 @@ fn ingest_inner(
             t.remove(b.pod.as_str());
         }
     }
-    let index = sc.index(&b.model);
 
     // Position in the pod's stream, under the registry lock (short).
     let resync_url;
@@ -180,8 +238,13 @@ fn ingest_inner(
         pod.last_seen = now;
         // An engine-side publisher may say where its dump is; an explicit registration's
         // word wins.
+        // word wins. Only a URL on the pod's own address is taken: the sidecar fetches it,
+        // and an event must not be able to aim the sidecar's HTTP client elsewhere.
         if !pod.registered && b.dump_url.is_some() && pod.reg.dump_url != b.dump_url {
-            pod.reg.dump_url = b.dump_url.clone();
+            match b.dump_url.as_deref().filter(|u| dump_url_on_pod(u, &b.pod)) {
+                Some(u) => pod.reg.dump_url = Some(u.to_string()),
+                None => sc.metrics.events_rejected.inc("dump_url_elsewhere", 1),
+            }
         }
         if pod.epoch.as_deref() != Some(b.epoch.as_str()) {
             if pod.epoch.is_some() {
@@ -195,6 +258,13 @@ fn ingest_inner(
             Some(last) if b.seq <= last => {
                 out.duplicate = true;
                 return Ok(out);
+            }
+            Some(last) if b.seq - last > MAX_SEQ_JUMP => {
+                return Err(IngestError::SeqJump {
+                    pod: b.pod.clone(),
+                    last,
+                    got: b.seq,
+                })
             }
             Some(last) if b.seq > last + 1 => out.gap = true,
             // First batch we see of this epoch, not its first: we missed the start (our
@@ -230,10 +300,18 @@ fn ingest_inner(
         }
     }
 
-    let mut handle = index.join(&b.pod).map_err(|e| {
-        sc.metrics.pods_refused.inc();
-        IngestError::Full(e.to_string())
-    })?;
+    let mut handle = match index.join(&b.pod) {
+        Ok(h) => h,
+        Err(e) => {
+            sc.metrics.pods_refused.inc();
+            // A pod learned from this very batch leaves no registry entry behind.
+            let mut pods = sc.pods.lock();
+            if pods.get(b.pod.as_str()).is_some_and(|p| !p.registered) {
+                pods.remove(b.pod.as_str());
+            }
+            return Err(IngestError::Full(e.to_string()));
+        }
+    };
     if out.restarted {
         sc.metrics.epochs.inc();
         handle = reset_pod(sc, &index, b, "new epoch")?;
@@ -243,7 +321,7 @@ fn ingest_inner(
         handle = reset_pod(sc, &index, b, "sequence gap, no dump url")?;
     }
     if let Some(url) = resync_url {
-        let _ = sc.resync_tx.send(ResyncJob {
+        sc.queue_resync(ResyncJob {
             pod: Arc::from(b.pod.as_str()),
             model: b.model.clone(),
             url,
@@ -292,6 +370,23 @@ fn ingest_inner(
     Ok(out)
 }
 
+/// An http(s) URL whose host is the pod's own IP: the only dump location a batch may
+/// name (a registration may name any).
+pub fn dump_url_on_pod(url: &str, pod: &str) -> bool {
+    let (Ok(u), Ok(addr)) = (
+        reqwest::Url::parse(url),
+        pod.parse::<std::net::SocketAddr>(),
+    ) else {
+        return false;
+    };
+    let host_is_pod = u
+        .host_str()
+        .map(|h| h.trim_start_matches('[').trim_end_matches(']'))
+        .and_then(|h| h.parse::<std::net::IpAddr>().ok())
+        .is_some_and(|ip| ip == addr.ip());
+    matches!(u.scheme(), "http" | "https") && host_is_pod && u.username().is_empty()
+}
+
 /// Drop all of a pod's blocks at once: it moves to a fresh slot, the old one is cleaned
 /// in the background.
 fn reset_pod(
@@ -322,7 +417,19 @@ pub fn apply_dump(
 ) -> Result<u64, IngestError> {
     let lock = locks.get(pod);
     let _serial = lock.lock();
-    let index = sc.index(&dump.model);
+    // A pod removed (or moved to another model) while its dump was on the way stays
+    // removed: the dump must not give it a slot again.
+    if !sc
+        .pods
+        .lock()
+        .get(pod)
+        .is_some_and(|p| p.reg.model == dump.model)
+    {
+        return Err(IngestError::Removed(pod.to_string()));
+    }
+    let index = sc
+        .index(&dump.model)
+        .ok_or_else(|| IngestError::TooManyModels(dump.model.clone()))?;
     let (h, old) = index
         .reset(pod)
         .map_err(|e| IngestError::Full(e.to_string()))?;
@@ -361,5 +468,187 @@ pub fn drop_blocks(sc: &Sidecar, locks: &IngestLocks, pod: &str, model: &str) {
     }
     if let Some(p) = sc.pods.lock().get_mut(pod) {
         p.stale = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Hostile batches: each is refused with its label and leaves nothing behind.
+    use super::*;
+    use kvroute_shared::protocol::PolicyConfig;
+
+    fn batch(pod: &str, model: &str, epoch: &str, seq: u64, events: Vec<Event>) -> EventBatch {
+        EventBatch {
+            v: 1,
+            pod: pod.into(),
+            model: model.into(),
+            epoch: epoch.into(),
+            seq,
+            ts: None,
+            dump_url: None,
+            events,
+        }
+    }
+
+    fn stored(blocks: &[u64]) -> Event {
+        Event::Stored {
+            tier: Default::default(),
+            parent: None,
+            blocks: blocks.to_vec(),
+            tokens: None,
+        }
+    }
+
+    #[test]
+    fn a_pod_that_is_not_an_ip_and_port_allocates_nothing() {
+        let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+        let locks = IngestLocks::default();
+        for pod in [
+            "pod-a.ns.svc:8000",
+            "10.0.0.1",
+            "10.0.0.1:99999",
+            "x\n:1",
+            "",
+        ] {
+            let r = ingest(&sc, &locks, &batch(pod, "m", "e", 0, vec![stored(&[1])]));
+            assert_eq!(r.map_err(|e| e.reason()), Err("bad_pod"), "{pod:?}");
+        }
+        assert!(sc.pods.lock().is_empty());
+        assert!(locks.0.lock().is_empty());
+        assert!(sc.indexes.all().is_empty(), "no model index was created");
+    }
+
+    #[test]
+    fn a_sequence_number_pushed_to_the_end_of_the_range_cannot_freeze_a_pod() {
+        let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+        let locks = IngestLocks::default();
+        let pod = "10.0.0.1:8000";
+        ingest(&sc, &locks, &batch(pod, "m", "e", 0, vec![stored(&[1])])).expect("first");
+        let forged = batch(pod, "m", "e", u64::MAX, vec![Event::Cleared]);
+        assert_eq!(
+            ingest(&sc, &locks, &forged).map_err(|e| e.reason()),
+            Err("seq_jump")
+        );
+        // The engine's next real batch is applied, not dropped as a duplicate.
+        let next = ingest(&sc, &locks, &batch(pod, "m", "e", 1, vec![stored(&[2])])).expect("next");
+        assert!(!next.duplicate && next.blocks_changed == 1, "{next:?}");
+        let ix = sc.indexes.get("m").expect("index");
+        assert_eq!(ix.lookup(&[1]).len(), 1, "the forged batch cleared nothing");
+    }
+
+    #[test]
+    fn forged_models_and_pods_are_capped() {
+        let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+        let locks = IngestLocks::default();
+        for i in 0..MAX_MODELS + 10 {
+            let pod = format!("10.1.{}.{}:8000", i / 200, i % 200 + 1);
+            let r = ingest(
+                &sc,
+                &locks,
+                &batch(&pod, &format!("model-{i}"), "e", 0, vec![]),
+            );
+            if i < MAX_MODELS {
+                r.expect("under the cap");
+            } else {
+                assert_eq!(r.map_err(|e| e.reason()), Err("model_cap"));
+            }
+        }
+        assert_eq!(sc.indexes.all().len(), MAX_MODELS);
+        let mut refused = 0;
+        for i in 0..MAX_PODS + 10 {
+            let pod = format!("10.2.{}.{}:8000", i / 250, i % 250 + 1);
+            if let Err(e) = ingest(&sc, &locks, &batch(&pod, "model-0", "e", 0, vec![])) {
+                // Full index slots (256 per model) or the registry cap: either way refused.
+                assert!(matches!(e.reason(), "pod_cap" | "model_full"), "{e}");
+                refused += 1;
+            }
+        }
+        assert!(refused > 0);
+        // Every pod in the registry holds an index slot: refused ones left nothing.
+        let ix = sc.indexes.get("model-0").expect("index");
+        let pods = sc.pods.lock();
+        assert!(pods.len() <= MAX_PODS);
+        let of_model_0 = pods.values().filter(|p| p.reg.model == "model-0").count();
+        assert_eq!(of_model_0, ix.pods().len());
+    }
+
+    #[test]
+    fn a_batch_can_only_name_a_dump_on_its_own_pod() {
+        assert!(dump_url_on_pod(
+            "http://10.0.0.7:9400/dump",
+            "10.0.0.7:8000"
+        ));
+        assert!(dump_url_on_pod(
+            "https://[fd00::7]:9400/d",
+            "[fd00::7]:8000"
+        ));
+        for bad in [
+            "http://169.254.169.254/latest/meta-data/",
+            "http://10.0.0.8:9400/dump",
+            "http://localhost:9400/dump",
+            "file:///etc/passwd",
+            "gopher://10.0.0.7:70/",
+            "http://user@10.0.0.7:9400/dump",
+            "not a url",
+        ] {
+            assert!(!dump_url_on_pod(bad, "10.0.0.7:8000"), "{bad}");
+        }
+        // An unregistered pod's batch naming a dump elsewhere: the URL is not taken.
+        let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+        let locks = IngestLocks::default();
+        let mut b = batch("10.0.0.7:8000", "m", "e", 0, vec![stored(&[1])]);
+        b.dump_url = Some("http://169.254.169.254/".into());
+        ingest(&sc, &locks, &b).expect("the events still count");
+        assert_eq!(
+            sc.pods
+                .lock()
+                .get("10.0.0.7:8000")
+                .and_then(|p| p.reg.dump_url.clone()),
+            None
+        );
+        assert_eq!(sc.metrics.events_rejected.get("dump_url_elsewhere"), 1);
+    }
+
+    #[test]
+    fn a_dump_for_a_removed_pod_does_not_bring_it_back() {
+        let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+        let locks = IngestLocks::default();
+        let pod = "10.0.0.7:8000";
+        ingest(&sc, &locks, &batch(pod, "m", "e", 0, vec![stored(&[1])])).expect("first");
+        assert!(sc.remove_pod(pod, "api"));
+        let dump = batch(pod, "m", "e", 5, vec![stored(&[1, 2, 3])]);
+        assert_eq!(
+            apply_dump(&sc, &locks, pod, &dump).map_err(|e| e.reason()),
+            Err("removed_pod")
+        );
+        let ix = sc.indexes.get("m").expect("index");
+        assert!(ix.handle(pod).is_none(), "no slot for the removed pod");
+        assert!(ix.lookup(&[1, 2, 3]).is_empty());
+    }
+
+    #[test]
+    fn one_resync_per_pod_is_queued() {
+        let (sc, mut ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+        let job = |pod: &str| ResyncJob {
+            pod: Arc::from(pod),
+            model: "m".into(),
+            url: format!("http://{pod}/dump"),
+        };
+        for _ in 0..100 {
+            sc.queue_resync(job("10.0.0.7:8000"));
+        }
+        sc.queue_resync(job("10.0.0.8:8000"));
+        let mut queued = 0;
+        while ch.resync.try_recv().is_ok() {
+            queued += 1;
+        }
+        assert_eq!(queued, 2);
+        assert_eq!(sc.metrics.resyncs.get("already_queued"), 99);
+        sc.resync_done("10.0.0.7:8000");
+        sc.queue_resync(job("10.0.0.7:8000"));
+        assert!(
+            ch.resync.try_recv().is_ok(),
+            "after it is done, it may be asked again"
+        );
     }
 }

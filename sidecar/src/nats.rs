@@ -7,12 +7,12 @@
 //! publish bounded by a timeout, so a NATS outage can delay only that task: event
 //! ingestion, the other replicas' deltas and shutdown never wait on a publish.
 
-use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use kvroute_bridge::nats_auth::NatsAuth;
 use kvroute_shared::protocol::{EventBatch, LoadDelta};
 use tokio::sync::{mpsc, watch};
 
@@ -23,17 +23,12 @@ use crate::state::Sidecar;
 pub struct NatsOpts {
     pub url: String,
     pub subject: String,
-    pub user: Option<String>,
-    pub password: Option<String>,
-    pub token: Option<String>,
-    pub creds_file: Option<PathBuf>,
-    pub tls_ca: Option<PathBuf>,
-    pub require_tls: bool,
+    pub auth: NatsAuth,
 }
 
 pub async fn connect(sc: &Arc<Sidecar>, o: &NatsOpts) -> anyhow::Result<async_nats::Client> {
     let sc_ev = sc.clone();
-    let mut opts = async_nats::ConnectOptions::new()
+    let opts = async_nats::ConnectOptions::new()
         .name("kvroute-sidecar")
         .retry_on_initial_connect()
         .max_reconnects(None)
@@ -55,21 +50,7 @@ pub async fn connect(sc: &Arc<Sidecar>, o: &NatsOpts) -> anyhow::Result<async_na
                 }
             }
         });
-    if let (Some(u), Some(p)) = (&o.user, &o.password) {
-        opts = opts.user_and_password(u.clone(), p.clone());
-    }
-    if let Some(t) = &o.token {
-        opts = opts.token(t.clone());
-    }
-    if let Some(c) = &o.creds_file {
-        opts = opts.credentials_file(c).await?;
-    }
-    if let Some(ca) = &o.tls_ca {
-        opts = opts.add_root_certificates(ca.clone());
-    }
-    if o.require_tls {
-        opts = opts.require_tls(true);
-    }
+    let opts = o.auth.apply(opts).await?;
     Ok(opts.connect(o.url.as_str()).await?)
 }
 
@@ -115,7 +96,7 @@ pub async fn publish_outbox(
         let Ok(bytes) = serde_json::to_vec(&delta) else {
             continue;
         };
-        let publish = client.publish(format!("{LOAD_SUBJECT}.{}", delta.model), bytes.into());
+        let publish = client.publish(delta.subject(), bytes.into());
         let outcome = tokio::select! {
             _ = shutdown.changed() => break,
             r = tokio::time::timeout(PUBLISH_TIMEOUT, publish) => match r {
@@ -154,14 +135,25 @@ async fn consume(
             _ = shutdown.changed() => break,
             Some(msg) = async { match loads.as_mut() { Some(l) => l.next().await, None => std::future::pending().await } } => {
                 match serde_json::from_slice::<LoadDelta>(&msg.payload) {
-                    Ok(delta) => sc.apply_remote(&delta),
-                    Err(e) => tracing::debug!("nats: malformed load delta: {e}"),
+                    // A replica speaks only for itself, on its own subject.
+                    Ok(delta) if msg.subject.as_str() == delta.subject() => sc.apply_remote(&delta),
+                    Ok(_) => sc.metrics.replica_deltas.inc("subject_mismatch", 1),
+                    Err(e) => {
+                        sc.metrics.replica_deltas.inc("malformed", 1);
+                        tracing::debug!("nats: malformed load delta: {e}");
+                    }
                 }
             }
             msg = sub.next() => {
                 let Some(msg) = msg else { break };
                 sc.metrics.nats_messages.inc();
                 match EventBatch::decode(&msg.payload) {
+                    // The subject names the pod; NATS permissions confine each bridge to
+                    // its own, so a batch may speak only for the pod its subject names.
+                    Ok(batch) if msg.subject.as_str() != batch.subject() => {
+                        sc.metrics.events_rejected.inc("subject_mismatch", 1);
+                        tracing::debug!("nats: batch for pod {} on subject {}", batch.pod, msg.subject);
+                    }
                     Ok(batch) => {
                         if let Err(e) = ingest::ingest(sc, locks, &batch) {
                             tracing::debug!("nats: batch refused: {e}");
@@ -178,5 +170,4 @@ async fn consume(
     let _ = tokio::time::timeout(PUBLISH_TIMEOUT, sub.unsubscribe()).await;
 }
 
-/// Subject prefix of replicas' load broadcasts (`kvroute.load.<model>`).
-pub const LOAD_SUBJECT: &str = "kvroute.load";
+pub use kvroute_shared::protocol::LOAD_SUBJECT;

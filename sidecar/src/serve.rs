@@ -33,20 +33,8 @@ pub struct ServeArgs {
     pub nats: Option<String>,
     #[arg(long, env = "KVROUTE_NATS_SUBJECT", default_value = "kvroute.events.>")]
     pub nats_subject: String,
-    #[arg(long, env = "KVROUTE_NATS_USER")]
-    pub nats_user: Option<String>,
-    #[arg(long, env = "KVROUTE_NATS_PASSWORD")]
-    pub nats_password: Option<String>,
-    #[arg(long, env = "KVROUTE_NATS_TOKEN")]
-    pub nats_token: Option<String>,
-    /// NATS credentials file (.creds).
-    #[arg(long, env = "KVROUTE_NATS_CREDS")]
-    pub nats_creds: Option<PathBuf>,
-    /// CA certificate for NATS over TLS (implies --nats-require-tls).
-    #[arg(long, env = "KVROUTE_NATS_TLS_CA")]
-    pub nats_tls_ca: Option<PathBuf>,
-    #[arg(long, env = "KVROUTE_NATS_REQUIRE_TLS")]
-    pub nats_require_tls: bool,
+    #[command(flatten)]
+    pub nats_auth: kvroute_bridge::nats_auth::NatsAuth,
     /// When set, state-changing requests on the TCP listener need `Authorization: Bearer`.
     #[arg(long, env = "KVROUTE_ADMIN_TOKEN")]
     pub admin_token: Option<String>,
@@ -98,12 +86,7 @@ pub async fn run(
         let o = NatsOpts {
             url: url.clone(),
             subject: a.nats_subject.clone(),
-            user: a.nats_user.clone(),
-            password: a.nats_password.clone(),
-            token: a.nats_token.clone(),
-            creds_file: a.nats_creds.clone(),
-            require_tls: a.nats_require_tls || a.nats_tls_ca.is_some(),
-            tls_ca: a.nats_tls_ca.clone(),
+            auth: a.nats_auth.clone(),
         };
         tasks.spawn(nats::run(
             sc.clone(),

@@ -41,11 +41,16 @@ pub struct ResyncJob {
 
 pub struct Channels {
     pub cleanup: mpsc::UnboundedReceiver<CleanupJob>,
-    pub resync: mpsc::UnboundedReceiver<ResyncJob>,
+    pub resync: mpsc::Receiver<ResyncJob>,
     /// Load deltas for the other replicas; whoever takes it must call
     /// [`Sidecar::enable_replica_sync`] (the NATS publisher, or the simulator).
     pub outbox: mpsc::Receiver<LoadDelta>,
 }
+
+/// Resyncs waiting for their dump fetch (one per pod at most, so this bounds the queue
+/// by the pods that fell behind at once; beyond it they are dropped and counted, and the
+/// pod's next gap asks again).
+pub const RESYNC_QUEUE: usize = 1024;
 
 /// Load deltas waiting to be published. Bounded: while NATS is slow or down the newest
 /// are dropped and counted, so neither memory nor a route call waits on it (the other
@@ -64,7 +69,9 @@ pub struct Sidecar {
     pub(crate) tombstones: Mutex<HashMap<String, Option<String>>>,
     pub metrics: Metrics,
     cleanup_tx: mpsc::UnboundedSender<CleanupJob>,
-    pub(crate) resync_tx: mpsc::UnboundedSender<ResyncJob>,
+    resync_tx: mpsc::Sender<ResyncJob>,
+    /// Pods with a resync queued or running: at most one job per pod.
+    resyncing: Mutex<std::collections::HashSet<Arc<str>>>,
     pub(crate) nats_configured: AtomicBool,
     pub started: Instant,
     outbox: mpsc::Sender<LoadDelta>,
@@ -102,7 +109,7 @@ impl std::fmt::Display for RegisterError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             RegisterError::EmptyModel => f.write_str("model must not be empty"),
-            RegisterError::BadPodId(id) => write!(f, "pod id {id:?} must be host:port"),
+            RegisterError::BadPodId(id) => write!(f, "pod id {id:?} must be IP:port"),
             RegisterError::ModelFull(m) => f.write_str(m),
         }
     }
@@ -119,7 +126,7 @@ impl Sidecar {
     pub fn new(cfg: PolicyConfig) -> Result<(Arc<Sidecar>, Channels), Vec<String>> {
         cfg.validate()?;
         let (cleanup_tx, cleanup) = mpsc::unbounded_channel();
-        let (resync_tx, resync) = mpsc::unbounded_channel();
+        let (resync_tx, resync) = mpsc::channel(RESYNC_QUEUE);
         let (outbox, outbox_rx) = mpsc::channel(OUTBOX_CAPACITY);
         let mut cfg = cfg;
         cfg.version = cfg.version.max(1);
@@ -141,6 +148,7 @@ impl Sidecar {
             metrics,
             cleanup_tx,
             resync_tx,
+            resyncing: Mutex::new(Default::default()),
             nats_configured: AtomicBool::new(false),
             started: Instant::now(),
             outbox,
@@ -190,9 +198,12 @@ impl Sidecar {
         Ok(cur.clone())
     }
 
-    pub fn index(&self, model: &str) -> Arc<ModelIndex> {
+    /// The model's index, created on first use; `None` when the sidecar indexes
+    /// [`crate::ingest::MAX_MODELS`] other models already.
+    pub fn index(&self, model: &str) -> Option<Arc<ModelIndex>> {
         let cap = self.config().model(model).max_blocks;
-        self.indexes.get_or_create(model, cap)
+        self.indexes
+            .get_or_create_capped(model, cap, crate::ingest::MAX_MODELS)
     }
 
     pub fn queue_cleanup(&self, index: Arc<ModelIndex>, retired: Retired) {
@@ -201,6 +212,27 @@ impl Sidecar {
             let job = e.0;
             job.index.cleanup(job.retired);
         }
+    }
+
+    /// Ask for `job.pod`'s dump, unless a fetch for it is already queued or running.
+    pub(crate) fn queue_resync(&self, job: ResyncJob) {
+        let mut busy = self.resyncing.lock();
+        if busy.contains(&job.pod) {
+            self.metrics.resyncs.inc("already_queued", 1);
+            return;
+        }
+        let pod = job.pod.clone();
+        match self.resync_tx.try_send(job) {
+            Ok(()) => {
+                busy.insert(pod);
+            }
+            Err(_) => self.metrics.resyncs.inc("queue_full", 1),
+        }
+    }
+
+    /// The resync of `pod` is over (applied, failed or dropped).
+    pub(crate) fn resync_done(&self, pod: &str) {
+        self.resyncing.lock().remove(pod);
     }
 
     /// The load ledger (read-only views and tests; routes and reports change it).
@@ -241,10 +273,17 @@ impl Sidecar {
             self.drop_from_index(&old, id);
         }
         // Join the index now so that the 257th pod is refused at registration.
-        self.index(&reg.model).join(id).map_err(|e| {
+        let joined = match self.index(&reg.model) {
+            Some(ix) => ix.join(id).map(|_| ()).map_err(|e| e.to_string()),
+            None => Err(format!(
+                "the sidecar indexes {} models already",
+                crate::ingest::MAX_MODELS
+            )),
+        };
+        joined.map_err(|e| {
             self.metrics.pods_refused.inc();
             self.pods.lock().remove(id);
-            RegisterError::ModelFull(e.to_string())
+            RegisterError::ModelFull(e)
         })?;
         Ok(())
     }
@@ -266,9 +305,15 @@ impl Sidecar {
         };
         self.publish(deltas);
         if reason != "liveness" {
-            self.tombstones
-                .lock()
-                .insert(id.to_string(), pod.epoch.clone());
+            let mut t = self.tombstones.lock();
+            // Bounded: under churn beyond this, the oldest guard against a stale engine's
+            // return is the one given up (any one, in fact: none is worth unbounded memory).
+            if t.len() >= crate::ingest::MAX_PODS {
+                if let Some(k) = t.keys().next().cloned() {
+                    t.remove(&k);
+                }
+            }
+            t.insert(id.to_string(), pod.epoch.clone());
         }
         self.drop_from_index(&pod.reg.model, id);
         self.metrics.forget_pod(id);
@@ -357,4 +402,4 @@ impl Sidecar {
     }
 }
 
-pub use kvroute_shared::protocol::valid_endpoint as valid_pod_id;
+pub use kvroute_shared::protocol::valid_pod_addr as valid_pod_id;

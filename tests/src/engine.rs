@@ -281,7 +281,8 @@ pub async fn run(args: EngineArgs) -> anyhow::Result<()> {
 /// Publishes batches with the fault knobs applied (drop, duplicate, delay).
 async fn event_sender(eng: Arc<Engine>, mut rx: tokio::sync::mpsc::UnboundedReceiver<EventBatch>) {
     let sidecars = eng.args.sidecar.iter().cloned().collect();
-    let sink = match EventSink::connect(eng.args.nats.as_deref(), sidecars).await {
+    let auth = kvroute_bridge::nats_auth::NatsAuth::default();
+    let sink = match EventSink::connect(eng.args.nats.as_deref(), &auth, sidecars, None).await {
         Ok(s) => Arc::new(s),
         Err(e) => {
             eprintln!("kvroute-engine-sim: event sink: {e}");

@@ -16,6 +16,8 @@ pub struct Nats {
     pub port: u16,
     child: Option<Child>,
     dir: tempfile::TempDir,
+    /// A configuration file (users, permissions), if started with one.
+    config: Option<PathBuf>,
 }
 
 impl Nats {
@@ -24,6 +26,23 @@ impl Nats {
             port: free_port(),
             child: None,
             dir: tempfile::tempdir()?,
+            config: None,
+        };
+        n.restart()?;
+        Ok(n)
+    }
+
+    /// Start with a configuration file's `authorization` (and any other) blocks; the
+    /// listen address and port are given on the command line.
+    pub fn start_with_config(conf: &str) -> anyhow::Result<Nats> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("nats.conf");
+        std::fs::write(&path, conf)?;
+        let mut n = Nats {
+            port: free_port(),
+            child: None,
+            dir,
+            config: Some(path),
         };
         n.restart()?;
         Ok(n)
@@ -36,11 +55,12 @@ impl Nats {
     /// (Re)start on the same port.
     pub fn restart(&mut self) -> anyhow::Result<()> {
         let log = self.dir.path().join("nats.log");
-        let child = Child::spawn(
-            "nats-server",
-            Command::new("nats-server").args(["-a", "127.0.0.1", "-p", &self.port.to_string()]),
-            Some(&log),
-        )?;
+        let mut cmd = Command::new("nats-server");
+        if let Some(c) = &self.config {
+            cmd.arg("-c").arg(c);
+        }
+        cmd.args(["-a", "127.0.0.1", "-p", &self.port.to_string()]);
+        let child = Child::spawn("nats-server", &mut cmd, Some(&log))?;
         self.child = Some(child);
         let port = self.port;
         wait_until(Duration::from_secs(10), || {

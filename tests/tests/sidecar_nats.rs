@@ -394,3 +394,97 @@ async fn a_long_nats_outage_under_load_blocks_nothing_and_grows_nothing() {
     );
     assert_eq!(code, Some(0), "{}", sc.log());
 }
+
+/// The event plane with the NATS permissions docs/security.md describes: one user per
+/// bridge, allowed to publish only its own pod's subject; sidecars may only subscribe to
+/// events and publish load deltas. Anonymous clients are refused by NATS, a bridge's
+/// publish on another pod's subject is refused by NATS, and a batch that names another
+/// pod on the bridge's own subject is refused by the sidecar.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_permissions_confine_each_bridge_to_its_pod() {
+    let conf = r#"
+authorization {
+  users = [
+    { user: sidecar, password: sidecar-pass,
+      permissions: { publish: ["kvroute.load.>"],
+                     subscribe: ["kvroute.events.>", "kvroute.load.>", "_INBOX.>"] } }
+    { user: bridge-a, password: bridge-a-pass,
+      permissions: { publish: ["kvroute.events.m.127_0_0_1_8001"], subscribe: [] } }
+  ]
+}
+"#;
+    let nats = Nats::start_with_config(conf).expect("nats");
+    let sc = SidecarProc::start(
+        &[
+            "--nats",
+            &nats.url(),
+            "--nats-user",
+            "sidecar",
+            "--nats-password",
+            "sidecar-pass",
+        ],
+        false,
+    )
+    .expect("sidecar");
+    let api = Api::new(sc.addr);
+    until_connected(&api).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // Nobody without credentials gets in.
+    assert!(
+        async_nats::connect(nats.url()).await.is_err(),
+        "an anonymous client was admitted"
+    );
+    let bridge_a = async_nats::ConnectOptions::with_user_and_password(
+        "bridge-a".into(),
+        "bridge-a-pass".into(),
+    )
+    .connect(nats.url())
+    .await
+    .expect("bridge-a connects");
+
+    // Its own pod: delivered and applied.
+    let own = chain(M, 1, 4, 16);
+    publish(
+        &bridge_a,
+        &batch("127.0.0.1:8001", M, "e", 0, vec![stored(&own)]),
+    )
+    .await;
+    api.until_matched(M, &own, 16, 4, "bridge-a's own pod")
+        .await;
+
+    // Another pod's subject: NATS refuses the publish.
+    let other = chain(M, 2, 4, 16);
+    let forged = batch("127.0.0.1:8002", M, "e", 0, vec![stored(&other)]);
+    let _ = bridge_a
+        .publish(forged.subject(), forged.encode().into())
+        .await;
+    let _ = bridge_a.flush().await;
+    // Another pod on its own subject: NATS lets it through, the sidecar refuses it.
+    let _ = bridge_a
+        .publish("kvroute.events.m.127_0_0_1_8001", forged.encode().into())
+        .await;
+    let _ = bridge_a.flush().await;
+    let a = api.clone();
+    eventually(
+        move || {
+            let a = a.clone();
+            Box::pin(async move {
+                a.metric("kvroute_event_batches_rejected_total{reason=\"subject_mismatch\"}")
+                    .await
+                    == 1.0
+            })
+        },
+        "the mismatched batch is refused",
+    )
+    .await;
+    let held = api
+        .post(
+            "/v1/lookup",
+            serde_json::json!({"model": M, "chain": other}),
+        )
+        .await
+        .json;
+    assert_eq!(held["confirmed"], serde_json::json!([]), "{held}");
+    assert_eq!(api.get("/v1/pods/127.0.0.1:8002").await.status, 404);
+}

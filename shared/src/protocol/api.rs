@@ -174,6 +174,14 @@ impl ReportBatch {
     }
 }
 
+/// A pod's identity: an IP literal and a port (`10.0.0.7:8000`, `[fd00::7]:8000`), as
+/// Envoy's original-destination override takes it (a DNS name there is never steered).
+/// Subjects, tombstones and index slots are keyed by it, so it is checked before any
+/// of them is created.
+pub fn valid_pod_addr(s: &str) -> bool {
+    s.len() <= 64 && s.parse::<std::net::SocketAddr>().is_ok()
+}
+
 /// `host:port` as Envoy's override-host header carries it (a pod's identity). Also keeps
 /// control characters (header injection) out of anything the filter puts in a header.
 pub fn valid_endpoint(s: &str) -> bool {

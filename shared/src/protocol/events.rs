@@ -199,20 +199,27 @@ impl EventBatch {
     /// `kvroute.events.<model>.<pod>`, with the characters NATS gives a meaning to (`.`,
     /// `*`, `>`, whitespace) and `:` replaced by `_` so each stays one subject token.
     pub fn subject(&self) -> String {
-        let token = |s: &str| {
-            s.chars()
-                .map(|c| match c {
-                    '.' | ':' | '*' | '>' => '_',
-                    c if c.is_whitespace() => '_',
-                    c => c,
-                })
-                .collect::<String>()
-        };
-        format!("kvroute.events.{}.{}", token(&self.model), token(&self.pod))
+        format!(
+            "kvroute.events.{}.{}",
+            subject_token(&self.model),
+            subject_token(&self.pod)
+        )
     }
 
     pub fn encode(&self) -> Vec<u8> {
         // Serializing plain data to a Vec cannot fail; fall back to empty rather than panic.
         serde_json::to_vec(self).unwrap_or_default()
     }
+}
+
+/// One NATS subject token for `s`: the characters NATS gives a meaning to (`.`, `*`,
+/// `>`, whitespace) and `:` become `_`.
+pub fn subject_token(s: &str) -> String {
+    s.chars()
+        .map(|c| match c {
+            '.' | ':' | '*' | '>' => '_',
+            c if c.is_whitespace() => '_',
+            c => c,
+        })
+        .collect()
 }

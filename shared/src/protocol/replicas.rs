@@ -1,11 +1,12 @@
-//! Load deltas between sidecar replicas (`kvroute.load.<model>`).
+//! Load deltas between sidecar replicas (`kvroute.load.<model>.<replica>`).
 
 use serde::{Deserialize, Serialize};
 
 use super::hashes::opt_u64;
+use super::subject_token;
 
 /// Load that one sidecar replica projected onto a pod, or released, broadcast on NATS
-/// (`kvroute.load.<model>`) so that replicas in front of the same pods see each other's
+/// (`kvroute.load.<model>.<replica>`) so that replicas in front of the same pods see each other's
 /// decisions instead of all piling onto the same "best" pod.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LoadDelta {
@@ -43,4 +44,19 @@ fn yes() -> bool {
 pub enum LoadOp {
     Add,
     Release,
+}
+
+/// Subject prefix of replicas' load deltas.
+pub const LOAD_SUBJECT: &str = "kvroute.load";
+
+impl LoadDelta {
+    /// `kvroute.load.<model>.<replica>`: each replica publishes only under its own id,
+    /// so NATS permissions can confine it, and receivers check the payload agrees.
+    pub fn subject(&self) -> String {
+        format!(
+            "{LOAD_SUBJECT}.{}.{}",
+            subject_token(&self.model),
+            subject_token(&self.replica)
+        )
+    }
 }

@@ -4,11 +4,13 @@
 //!
 //! - [`vllm`]: the engines' msgpack event format, decoded defensively;
 //! - [`translate`]: engine blocks → kvroute chain hashes, sequence and epoch keeping;
-//! - [`sink`]: where batches go (NATS, or sidecars over HTTP);
+//! - [`sink`]: where batches go (NATS, or sidecars over HTTP); [`nats_auth`]: the NATS
+//!   credentials and TLS flags every kvroute NATS client takes;
 //! - [`run`]: the service (ZMQ receive, replay, engine-load poll, the ordered queue,
 //!   `/dump`, `/metrics`), and [`wait_for_signal`] for both kvroute binaries.
 
 mod metrics;
+pub mod nats_auth;
 pub mod run;
 pub mod sink;
 pub mod translate;

@@ -30,6 +30,7 @@ use tokio::sync::watch;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::metrics::{Counters, METRICS_CONTENT_TYPE};
+use crate::nats_auth::NatsAuth;
 use crate::sink::EventSink;
 use crate::translate::Translator;
 use crate::vllm;
@@ -71,6 +72,11 @@ pub struct BridgeArgs {
         value_delimiter = ','
     )]
     pub sidecars: Vec<String>,
+    /// The sidecars' admin token, sent as a bearer token with `--sidecar` posts.
+    #[arg(long, env = "KVROUTE_BRIDGE_SIDECAR_TOKEN", hide_env_values = true)]
+    pub sidecar_token: Option<String>,
+    #[command(flatten)]
+    pub nats_auth: NatsAuth,
     /// Serves `GET /dump`, `/metrics`, `/healthz`.
     #[arg(long, env = "KVROUTE_BRIDGE_LISTEN", default_value = "0.0.0.0:9400")]
     pub listen: SocketAddr,
@@ -90,8 +96,8 @@ pub struct BridgeArgs {
 
 impl BridgeArgs {
     pub fn validate(&self) -> anyhow::Result<()> {
-        if !kvroute_shared::protocol::valid_endpoint(&self.pod) {
-            anyhow::bail!("--pod {:?} must be host:port", self.pod);
+        if !kvroute_shared::protocol::valid_pod_addr(&self.pod) {
+            anyhow::bail!("--pod {:?} must be IP:port", self.pod);
         }
         if self.model.is_empty() {
             anyhow::bail!("--model must not be empty");
@@ -152,7 +158,13 @@ pub async fn run(
         ),
         n: Counters::default(),
     });
-    let sink = EventSink::connect(a.nats.as_deref(), a.sidecars.clone()).await?;
+    let sink = EventSink::connect(
+        a.nats.as_deref(),
+        &a.nats_auth,
+        a.sidecars.clone(),
+        a.sidecar_token.clone(),
+    )
+    .await?;
     let listener = tokio::net::TcpListener::bind(a.listen).await?;
     let (stop_tx, stop) = watch::channel(false);
     let (tx, rx) = tokio::sync::mpsc::channel(QUEUE);

@@ -6,29 +6,38 @@
 
 use kvroute_shared::protocol::EventBatch;
 
+use crate::nats_auth::NatsAuth;
+
 pub struct EventSink {
     nats: Option<async_nats::Client>,
     sidecars: Vec<String>,
+    /// Bearer token for sidecars whose TCP API requires one.
+    sidecar_token: Option<String>,
     http: reqwest::Client,
 }
 
 impl EventSink {
     /// Connects to NATS in the background (retrying forever), so a publisher can start
     /// before NATS does.
-    pub async fn connect(nats: Option<&str>, sidecars: Vec<String>) -> anyhow::Result<Self> {
+    pub async fn connect(
+        nats: Option<&str>,
+        auth: &NatsAuth,
+        sidecars: Vec<String>,
+        sidecar_token: Option<String>,
+    ) -> anyhow::Result<Self> {
         let nats = match nats {
-            Some(url) => Some(
-                async_nats::ConnectOptions::new()
+            Some(url) => {
+                let o = async_nats::ConnectOptions::new()
                     .name("kvroute-events")
                     .retry_on_initial_connect()
-                    .max_reconnects(None)
-                    .connect(url)
-                    .await?,
-            ),
+                    .max_reconnects(None);
+                Some(auth.apply(o).await?.connect(url).await?)
+            }
             None => None,
         };
         Ok(EventSink {
             nats,
+            sidecar_token,
             sidecars: sidecars
                 .into_iter()
                 .map(|u| u.trim_end_matches('/').to_string())
@@ -47,14 +56,15 @@ impl EventSink {
             }
         }
         for url in &self.sidecars {
-            let ok = self
+            let mut req = self
                 .http
                 .post(format!("{url}/v1/events"))
                 .header("content-type", "application/json")
-                .body(bytes.clone())
-                .send()
-                .await
-                .is_ok_and(|r| r.status().is_success());
+                .body(bytes.clone());
+            if let Some(t) = &self.sidecar_token {
+                req = req.bearer_auth(t);
+            }
+            let ok = req.send().await.is_ok_and(|r| r.status().is_success());
             if !ok {
                 failed += 1;
             }

@@ -281,6 +281,27 @@ impl Indexes {
             .clone()
     }
 
+    /// [`Indexes::get_or_create`], unless that would make more than `max_models`.
+    pub fn get_or_create_capped(
+        &self,
+        model: &str,
+        max_blocks: u64,
+        max_models: usize,
+    ) -> Option<Arc<ModelIndex>> {
+        if let Some(i) = self.get(model) {
+            return Some(i);
+        }
+        let mut m = self.by_model.write();
+        if !m.contains_key(model) && m.len() >= max_models {
+            return None;
+        }
+        Some(
+            m.entry(model.to_string())
+                .or_insert_with(|| Arc::new(ModelIndex::new(max_blocks)))
+                .clone(),
+        )
+    }
+
     pub fn all(&self) -> Vec<(String, Arc<ModelIndex>)> {
         let mut v: Vec<_> = self
             .by_model
