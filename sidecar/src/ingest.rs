@@ -419,11 +419,11 @@ pub fn apply_dump(
     let _serial = lock.lock();
     // A pod removed (or moved to another model) while its dump was on the way stays
     // removed: the dump must not give it a slot again.
-    if !sc
+    if sc
         .pods
         .lock()
         .get(pod)
-        .is_some_and(|p| p.reg.model == dump.model)
+        .is_none_or(|p| p.reg.model != dump.model)
     {
         return Err(IngestError::Removed(pod.to_string()));
     }
