@@ -61,7 +61,10 @@ async fn auth(
 ) -> Response {
     if let Some(token) = &api.admin_token {
         let changes_state = matches!(*req.method(), Method::POST | Method::PUT | Method::DELETE);
-        if changes_state && !bearer_ok(req.headers(), token) {
+        // A lookup tells whether a prompt is cached: what users asked, so it is guarded
+        // like the admin API whichever the method.
+        let reveals_prompts = req.uri().path() == "/v1/lookup";
+        if (changes_state || reveals_prompts) && !bearer_ok(req.headers(), token) {
             return err(
                 StatusCode::UNAUTHORIZED,
                 "unauthorized",
@@ -333,6 +336,15 @@ fn lookup(sc: &Sidecar, model: &str, chain: &[u64]) -> Response {
 async fn metrics_h(State(api): State<Api>) -> Response {
     let body = api.sc.metrics.render(&api.sc.gauges());
     ([("content-type", crate::metrics::CONTENT_TYPE)], body).into_response()
+}
+
+/// Only `/healthz` and `/readyz`, for a listener that kubelet probes on the pod's
+/// address while the API stays on loopback.
+pub fn health_router(api: Api) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready_h))
+        .with_state(api)
 }
 
 async fn ready_h(State(api): State<Api>) -> Response {

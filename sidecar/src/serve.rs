@@ -22,6 +22,10 @@ pub struct ServeArgs {
     /// Admin + API listener (TCP). Loopback by default: expose it deliberately.
     #[arg(long, env = "KVROUTE_LISTEN", default_value = "127.0.0.1:9090")]
     pub listen: SocketAddr,
+    /// A listener serving only `/healthz` and `/readyz` (for kubelet probes on the pod's
+    /// address while --listen stays on loopback).
+    #[arg(long, env = "KVROUTE_HEALTH_LISTEN")]
+    pub health_listen: Option<SocketAddr>,
     /// Unix socket for the filter (Envoy's sidecar cluster).
     #[arg(long, env = "KVROUTE_UDS")]
     pub uds: Option<PathBuf>,
@@ -118,6 +122,22 @@ pub async fn run(
             .with_graceful_shutdown(shutdown(stop_rx.clone()))
             .await
     });
+    if let Some(addr) = a.health_listen {
+        let health = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding {addr}"))?;
+        let health_api = Api {
+            sc: sc.clone(),
+            locks: locks.clone(),
+            admin_token: None,
+        };
+        let rx = guard.0.subscribe();
+        servers.spawn(async move {
+            axum::serve(health, http::health_router(health_api))
+                .with_graceful_shutdown(shutdown(rx))
+                .await
+        });
+    }
     if let Some(path) = &a.uds {
         let _ = std::fs::remove_file(path);
         if let Some(dir) = path.parent() {

@@ -80,6 +80,29 @@ fn istio_manifests() {
         args.iter().any(|a| a.starts_with("--listen=127.0.0.1")),
         "admin API on loopback"
     );
+    // kubelet probes the pod's address: every probed port must be a listener that is
+    // not bound to loopback (otherwise the gateway never becomes ready).
+    let listeners: Vec<(String, u16)> = args
+        .iter()
+        .filter_map(|a| {
+            let v = a
+                .strip_prefix("--listen=")
+                .or_else(|| a.strip_prefix("--health-listen="))?;
+            let addr: std::net::SocketAddr = v.parse().ok()?;
+            Some((addr.ip().to_string(), addr.port()))
+        })
+        .collect();
+    for probe in ["readinessProbe", "livenessProbe"] {
+        let port = all(&patch, probe)[0]["httpGet"]["port"]
+            .as_u64()
+            .expect("probe port") as u16;
+        assert!(
+            listeners
+                .iter()
+                .any(|(ip, p)| *p == port && !ip.starts_with("127.")),
+            "{probe} on port {port} reaches no listener on the pod's address: {listeners:?}"
+        );
+    }
 }
 
 #[test]
@@ -146,4 +169,13 @@ fn vllm_bridge_manifest() {
     );
     assert!(engine.contains(&format!("--block-size={}", cli.a.block_size)));
     assert_eq!(cli.a.pod, "10.0.0.7:8000");
+    // vLLM's events carry token ids: its ZMQ sockets must not be reachable from other
+    // pods, only from the bridge beside it.
+    for key in ["endpoint", "replay_endpoint"] {
+        let ep = events[key].as_str().unwrap_or("");
+        assert!(
+            ep.starts_with("tcp://127.0.0.1:"),
+            "{key} {ep:?} is not loopback"
+        );
+    }
 }

@@ -363,6 +363,22 @@ async fn the_admin_token_guards_state_changes_on_tcp() {
     assert_eq!(authed.register("127.0.0.1:8001", M).await.status, 200);
     let wrong = api.clone().with_token("s3cret!");
     assert_eq!(wrong.delete("/v1/pods/127.0.0.1:8001").await.status, 401);
+    // Whether a prompt is cached is what users asked: lookups need the token, GET too.
+    assert_eq!(api.get("/v1/lookup?model=m&chain=1,2").await.status, 401);
+    assert_eq!(authed.get("/v1/lookup?model=m&chain=1,2").await.status, 200);
+}
+
+/// The health listener answers probes on the pod's address and nothing else.
+#[tokio::test]
+async fn the_health_listener_serves_only_probes() {
+    let port = kvroute_tests::procs::free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let (_sc, _api) = up(&["--health-listen", &addr]).await;
+    let health = Api::new(addr.parse().expect("addr"));
+    assert_eq!(health.get("/healthz").await.status, 200);
+    assert_eq!(health.get("/readyz").await.status, 200);
+    assert_eq!(health.get("/v1/pods").await.status, 404);
+    assert_eq!(health.post("/v1/route", json!({})).await.status, 404);
 }
 
 #[tokio::test]
