@@ -52,6 +52,11 @@ pub struct FilterConfig {
     pub prefill_header: String,
     /// Header whose value is used as the session key (empty: use the body's `user`).
     pub session_header: String,
+    /// A header the gateway's authentication sets (the tenant): when configured, its
+    /// value is the cache namespace's salt and the client's `cache_salt` is ignored, so
+    /// one tenant cannot learn another's prompts from where its requests are steered.
+    /// Empty: the body's `cache_salt` is used, as the engine uses it.
+    pub tenant_header: String,
     pub models: BTreeMap<String, ModelSettings>,
     pub default_model: ModelSettings,
     pub adapters: AdapterRule,
@@ -83,6 +88,7 @@ impl Default for FilterConfig {
             steer_header: "x-gateway-destination-endpoint".into(),
             prefill_header: "x-kvroute-prefill-endpoint".into(),
             session_header: String::new(),
+            tenant_header: String::new(),
             models: BTreeMap::new(),
             default_model: ModelSettings::default(),
             adapters: AdapterRule::default(),
@@ -157,11 +163,15 @@ impl FilterConfig {
                 ));
             }
         }
-        if !self.session_header.is_empty() && !valid_header_name(&self.session_header) {
-            errs.push(format!(
-                "session_header must be a lowercase header name (got {:?})",
-                self.session_header
-            ));
+        for (name, h) in [
+            ("session_header", &self.session_header),
+            ("tenant_header", &self.tenant_header),
+        ] {
+            if !h.is_empty() && !valid_header_name(h) {
+                errs.push(format!(
+                    "{name} must be a lowercase header name (got {h:?})"
+                ));
+            }
         }
         let models = std::iter::once(("default_model", &self.default_model))
             .chain(self.models.iter().map(|(k, v)| (k.as_str(), v)));

@@ -170,6 +170,8 @@ enum State {
         path: String,
         request_id: Option<String>,
         session: Option<String>,
+        /// The configured tenant header's value.
+        tenant: Option<String>,
     },
     /// Waiting for the sidecar's answer.
     Calling {
@@ -343,10 +345,16 @@ impl HttpContext for Http {
         } else {
             header(MapType::HttpRequestHeaders, &sh.cfg.session_header)
         };
+        let tenant = if sh.cfg.tenant_header.is_empty() {
+            None
+        } else {
+            header(MapType::HttpRequestHeaders, &sh.cfg.tenant_header)
+        };
         self.state = State::Buffering {
             path: path.unwrap_or_default(),
             request_id: header(MapType::HttpRequestHeaders, "x-request-id"),
             session,
+            tenant,
         };
         Action::Pause
     }
@@ -359,6 +367,7 @@ impl HttpContext for Http {
             path,
             request_id,
             session,
+            tenant,
         } = &self.state
         else {
             return Action::Continue;
@@ -381,7 +390,12 @@ impl HttpContext for Http {
         let mut timings = Timings::default();
         let prepared = logic::parse(&sh.cfg, path, &body).and_then(|req| {
             timings.parse_us = micros_since(t0);
-            logic::route_request(&sh.cfg, req, request_id.as_deref(), session.as_deref())
+            let h = logic::FromHeaders {
+                request_id: request_id.as_deref(),
+                session: session.as_deref(),
+                tenant: tenant.as_deref(),
+            };
+            logic::route_request(&sh.cfg, req, h)
         });
         let prepared = match prepared {
             Ok(p) => p,

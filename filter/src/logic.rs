@@ -73,16 +73,24 @@ pub struct Prepared {
     pub binary: bool,
 }
 
+/// What the route takes from the request's headers.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FromHeaders<'a> {
+    pub request_id: Option<&'a str>,
+    pub session: Option<&'a str>,
+    /// The value of the configured `tenant_header` (set by the gateway, never the client).
+    pub tenant: Option<&'a str>,
+}
+
 /// Parse and chain a whole request body.
 pub fn prepare(
     cfg: &FilterConfig,
     path: &str,
     body: &[u8],
-    request_id: Option<&str>,
-    session: Option<&str>,
+    h: FromHeaders<'_>,
 ) -> Result<Prepared, Skip> {
     let req = parse(cfg, path, body)?;
-    route_request(cfg, req, request_id, session)
+    route_request(cfg, req, h)
 }
 
 /// The body as a request, or why it is not routed. Split from [`route_request`] only so
@@ -106,10 +114,13 @@ pub fn parse<'a>(
 /// Chain a parsed request and encode the sidecar's route body.
 pub fn route_request(
     cfg: &FilterConfig,
-    req: canon::Request<'_>,
-    request_id: Option<&str>,
-    session: Option<&str>,
+    mut req: canon::Request<'_>,
+    h: FromHeaders<'_>,
 ) -> Result<Prepared, Skip> {
+    if !cfg.tenant_header.is_empty() {
+        // The trusted tenant, not the client, names the namespace.
+        req.cache_salt = std::borrow::Cow::Owned(h.tenant.unwrap_or_default().to_owned());
+    }
     let (base, _) = cfg.adapters.resolve(&req.model);
     let settings = cfg.model(base);
     let mode = req.prompt.mode();
@@ -128,8 +139,9 @@ pub fn route_request(
         block_size,
         chain: chained.chain,
         prompt_tokens,
-        request_id: request_id.map(str::to_owned),
-        session: session
+        request_id: h.request_id.map(str::to_owned),
+        session: h
+            .session
             .map(str::to_owned)
             .or_else(|| req.user.as_deref().map(str::to_owned)),
         role: None,
@@ -285,7 +297,16 @@ mod tests {
     #[test]
     fn prepared_route_carries_the_reference_chain() {
         let body = br#"{"model":"m","prompt":[0,1,2,3,4,5,6,7,8,9],"user":"u1"}"#;
-        let p = prepare(&cfg(), "/v1/completions", body, Some("r1"), None).expect("prepared");
+        let p = prepare(
+            &cfg(),
+            "/v1/completions",
+            body,
+            FromHeaders {
+                request_id: Some("r1"),
+                ..Default::default()
+            },
+        )
+        .expect("prepared");
         let r: RouteRequest = serde_json::from_slice(&p.route_body).expect("route json");
         assert_eq!(r.chain, [12505186680924831797, 7943115681171077851]);
         assert_eq!((r.block_size, r.prompt_tokens, p.blocks), (4, 10, 2));
@@ -298,7 +319,7 @@ mod tests {
         let mut c = cfg();
         c.binary_above_blocks = 1;
         let body = br#"{"model":"m","prompt":[0,1,2,3,4,5,6,7,8,9]}"#;
-        let p = prepare(&c, "/v1/completions", body, None, None).expect("prepared");
+        let p = prepare(&c, "/v1/completions", body, FromHeaders::default()).expect("prepared");
         assert!(p.binary);
         let r = RouteRequest::decode_binary(&p.route_body).expect("binary");
         assert_eq!(r.chain, [12505186680924831797, 7943115681171077851]);
@@ -308,15 +329,20 @@ mod tests {
     fn skips_have_reasons() {
         let c = cfg();
         assert_eq!(
-            prepare(&c, "/v1/completions", b"{oops", None, None),
+            prepare(&c, "/v1/completions", b"{oops", FromHeaders::default()),
             Err(Skip::BadJson)
         );
         assert_eq!(
-            prepare(&c, "/v1/completions", b"{}", None, None),
+            prepare(&c, "/v1/completions", b"{}", FromHeaders::default()),
             Err(Skip::NoPrompt)
         );
         assert_eq!(
-            prepare(&c, "/v1/completions", br#"{"prompt":""}"#, None, None),
+            prepare(
+                &c,
+                "/v1/completions",
+                br#"{"prompt":""}"#,
+                FromHeaders::default()
+            ),
             Err(Skip::EmptyPrompt)
         );
         let mut small = cfg();
@@ -326,8 +352,7 @@ mod tests {
                 &small,
                 "/v1/completions",
                 br#"{"prompt":"long"}"#,
-                None,
-                None
+                FromHeaders::default()
             ),
             Err(Skip::BodyTooLarge)
         );
@@ -338,8 +363,7 @@ mod tests {
                 &tokens_only,
                 "/v1/completions",
                 br#"{"prompt":"x"}"#,
-                None,
-                None
+                FromHeaders::default()
             ),
             Err(Skip::TextNotRouted)
         );
@@ -431,5 +455,43 @@ mod tests {
                 .len(),
             1
         );
+    }
+
+    /// With a tenant header configured, the namespace follows the trusted tenant: two
+    /// tenants sending the same prompt (and the same client-chosen salt) never share a
+    /// chain, and a client cannot join another tenant's namespace with `cache_salt`.
+    #[test]
+    fn the_tenant_header_names_the_namespace_and_the_clients_salt_does_not() {
+        let mut c = cfg();
+        c.tenant_header = "x-tenant".into();
+        let body = |salt: &str| {
+            format!(
+                r#"{{"model":"m","prompt":"{}","cache_salt":"{salt}"}}"#,
+                "hello world ".repeat(40)
+            )
+        };
+        let chain = |tenant: Option<&str>, salt: &str| {
+            let h = FromHeaders {
+                tenant,
+                ..Default::default()
+            };
+            let p = prepare(&c, "/v1/completions", body(salt).as_bytes(), h).expect("prepared");
+            let r: RouteRequest = serde_json::from_slice(&p.route_body).expect("json");
+            r.chain
+        };
+        assert_ne!(
+            chain(Some("a"), "x"),
+            chain(Some("b"), "x"),
+            "tenants are apart"
+        );
+        assert_eq!(
+            chain(Some("a"), "x"),
+            chain(Some("a"), "y"),
+            "the client's salt is ignored"
+        );
+        assert_eq!(chain(Some("b"), "anything"), chain(Some("b"), "b"));
+        let mut bad = cfg();
+        bad.tenant_header = "X Tenant".into();
+        assert!(bad.validate().is_err());
     }
 }
