@@ -105,6 +105,28 @@ impl EnvoyLayout {
         } else {
             String::new()
         };
+        let header = |key: &str, default: &str| {
+            self.filter_config
+                .get(key)
+                .and_then(|v| v.as_str())
+                .unwrap_or(default)
+                .to_string()
+        };
+        // Natively, before the wasm filter: holds even when the VM has failed open.
+        let strip = format!(
+            r#"
+          # Clients never choose the pod: their steering headers go before any filter
+          # reads them, natively, so this holds even when the wasm VM has failed open.
+          - name: envoy.filters.http.header_mutation
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation
+              mutations:
+                request_mutations:
+                - remove: {steer}
+                - remove: {prefill}"#,
+            steer = header("steer_header", "x-gateway-destination-endpoint"),
+            prefill = header("prefill_header", "x-kvroute-prefill-endpoint"),
+        );
         let (fallback_name, fallback_type) = match self.fallback {
             Fallback::RoundRobin => ("round_robin", "round_robin.v3.RoundRobin"),
             Fallback::LeastRequest => ("least_request", "least_request.v3.LeastRequest"),
@@ -149,7 +171,7 @@ static_resources:
                   # Generations stream for minutes; idle streams are still cut.
                   timeout: 0s
                   idle_timeout: 300s
-          http_filters:{wasm_filter}
+          http_filters:{strip}{wasm_filter}
           - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router

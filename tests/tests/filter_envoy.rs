@@ -17,6 +17,11 @@ struct Rig {
 }
 
 async fn rig(answer: Answer, filter_extra: serde_json::Value) -> Rig {
+    rig_with(answer, filter_extra, true).await
+}
+
+/// `with_filter: false` is Envoy with the wasm filter gone (a VM that failed open).
+async fn rig_with(answer: Answer, filter_extra: serde_json::Value, with_filter: bool) -> Rig {
     let wasm = kvroute_tests::wasm_path();
     assert!(
         wasm.exists(),
@@ -42,7 +47,7 @@ async fn rig(answer: Answer, filter_extra: serde_json::Value) -> Rig {
         engines: pods.iter().map(|p| p.addr).collect(),
         wasm_path: wasm,
         filter_config: cfg,
-        with_filter: true,
+        with_filter,
         fallback: Fallback::RoundRobin,
         access_log: false,
     };
@@ -132,6 +137,33 @@ async fn wasm_chain_matches_reference_vectors() {
     println!(
         "wasm32 (Envoy v8) reproduced all {} protocol test vectors (docs/protocol.md)",
         cases.len()
+    );
+}
+
+/// With the wasm VM out of the way (failed open), Envoy itself still drops the client's
+/// steering headers: a spoofed endpoint pins nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spoofed_steering_headers_are_stripped_natively_without_the_filter() {
+    let rig = rig_with(Answer::Status(503), json!({}), false).await;
+    let a = rig.pod("a");
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..6 {
+        let r = rig
+            .post(
+                "/v1/completions",
+                r#"{"model":"m","prompt":[1,2,3,4,5]}"#,
+                &[
+                    ("x-gateway-destination-endpoint", &a),
+                    ("x-kvroute-prefill-endpoint", &a),
+                ],
+            )
+            .await;
+        assert_eq!(r.status(), 200);
+        seen.insert(served_by(&r));
+    }
+    assert!(
+        seen.len() > 1,
+        "a spoofed header pinned requests without the filter: {seen:?}"
     );
 }
 

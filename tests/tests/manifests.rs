@@ -68,6 +68,22 @@ fn istio_manifests() {
         .any(|p| p.as_str() == Some("/var/run/kvroute/sidecar.sock")));
     assert!(!all(&ef, "fallback_policy").is_empty());
     filter_config_ok(&ef);
+    // The native strip of steering headers comes before the wasm filter.
+    let filters: Vec<&str> = ef[0]["spec"]["configPatches"]
+        .as_sequence()
+        .expect("patches")
+        .iter()
+        .filter_map(|p| p["patch"]["value"]["name"].as_str())
+        .filter(|n| n.starts_with("envoy.filters.http."))
+        .collect();
+    assert_eq!(
+        filters,
+        [
+            "envoy.filters.http.header_mutation",
+            "envoy.filters.http.wasm"
+        ],
+        "INSERT_BEFORE the router, in this order"
+    );
     let patch = docs("envoy/istio/kvroute-sidecar.yaml");
     let args: Vec<&str> = all(&patch, "args")[0]
         .as_sequence()
@@ -119,6 +135,23 @@ fn envoy_gateway_manifests() {
     );
     assert!(!all(&ds, "endpointOverride").is_empty());
     filter_config_ok(&ds);
+    // JSON patches apply in order, each at index 0: the last one inserted runs first.
+    let front: Vec<&str> = ds[0]["spec"]["jsonPatches"]
+        .as_sequence()
+        .expect("patches")
+        .iter()
+        .filter(|p| {
+            p["operation"]["path"]
+                .as_str()
+                .is_some_and(|x| x.ends_with("http_filters/0"))
+        })
+        .filter_map(|p| p["operation"]["value"]["name"].as_str())
+        .collect();
+    assert_eq!(
+        front.last().copied(),
+        Some("envoy.filters.http.header_mutation"),
+        "the native strip must end up first: {front:?}"
+    );
 }
 
 /// The vLLM engine with the bridge beside it: the engine publishes where the bridge
