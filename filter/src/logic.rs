@@ -25,10 +25,11 @@ pub enum Skip {
     SidecarError,
     NoPod,
     BadAnswer,
+    TooManyMessages,
 }
 
 impl Skip {
-    pub const ALL: [Skip; 10] = [
+    pub const ALL: [Skip; 11] = [
         Skip::BodyTooLarge,
         Skip::BadJson,
         Skip::NoPrompt,
@@ -39,6 +40,7 @@ impl Skip {
         Skip::SidecarError,
         Skip::NoPod,
         Skip::BadAnswer,
+        Skip::TooManyMessages,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -53,6 +55,7 @@ impl Skip {
             Skip::SidecarError => "sidecar_error",
             Skip::NoPod => "no_pod",
             Skip::BadAnswer => "bad_answer",
+            Skip::TooManyMessages => "too_many_messages",
         }
     }
 }
@@ -108,6 +111,7 @@ pub fn parse<'a>(
         canon::CanonError::Json(_) => Skip::BadJson,
         canon::CanonError::Missing(_) => Skip::NoPrompt,
         canon::CanonError::Empty => Skip::EmptyPrompt,
+        canon::CanonError::TooManyMessages => Skip::TooManyMessages,
     })
 }
 

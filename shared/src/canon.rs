@@ -65,7 +65,14 @@ pub enum CanonError {
     Missing(&'static str),
     /// The prompt holds nothing to chain.
     Empty,
+    /// More chat messages than [`MAX_MESSAGES`]: not materialized, not routed.
+    TooManyMessages,
 }
+
+/// The most chat messages a body may have to be routed. Every message is a small
+/// allocation; without a cap an 8 MiB body of `{}` messages would build ~2.8M of them in
+/// every Envoy worker's VM.
+pub const MAX_MESSAGES: usize = 4096;
 
 impl fmt::Display for CanonError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -73,6 +80,7 @@ impl fmt::Display for CanonError {
             CanonError::Json(m) => write!(f, "malformed body: {m}"),
             CanonError::Missing(field) => write!(f, "body has no `{field}`"),
             CanonError::Empty => f.write_str("prompt is empty"),
+            CanonError::TooManyMessages => write!(f, "more than {MAX_MESSAGES} messages"),
         }
     }
 }
@@ -86,6 +94,7 @@ impl CanonError {
             CanonError::Json(_) => "bad_json",
             CanonError::Missing(_) => "no_prompt",
             CanonError::Empty => "empty_prompt",
+            CanonError::TooManyMessages => "too_many_messages",
         }
     }
 }
@@ -413,7 +422,7 @@ struct Body<'a> {
     #[serde(default)]
     prompt: Option<PromptField<'a>>,
     #[serde(borrow, default)]
-    messages: Option<Vec<Message<'a>>>,
+    messages: Option<Messages<'a>>,
     #[serde(borrow, default)]
     tools: Option<&'a RawValue>,
     #[serde(borrow, default)]
@@ -422,6 +431,48 @@ struct Body<'a> {
     stream: Option<bool>,
     #[serde(borrow, default)]
     user: Option<Cow<'a, str>>,
+}
+
+/// `messages`, at most [`MAX_MESSAGES`] of them materialized; the rest are read past
+/// without allocating, and the overflow is reported.
+struct Messages<'a> {
+    list: Vec<Message<'a>>,
+    overflow: bool,
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Messages<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for V<'a> {
+            type Value = Messages<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a list of messages")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut list = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(64));
+                while list.len() < MAX_MESSAGES {
+                    match seq.next_element::<Message<'a>>()? {
+                        Some(m) => list.push(m),
+                        None => {
+                            return Ok(Messages {
+                                list,
+                                overflow: false,
+                            })
+                        }
+                    }
+                }
+                let mut overflow = false;
+                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {
+                    overflow = true;
+                }
+                Ok(Messages { list, overflow })
+            }
+        }
+        d.deserialize_seq(V(std::marker::PhantomData))
+    }
 }
 
 /// `prompt` in any of its four shapes, decoded without serde's buffering of untagged
@@ -551,6 +602,10 @@ pub(crate) fn parse_with_serde(endpoint: Endpoint, body: &[u8]) -> Result<Reques
         },
         Endpoint::ChatCompletions => {
             let messages = b.messages.ok_or(CanonError::Missing("messages"))?;
+            if messages.overflow {
+                return Err(CanonError::TooManyMessages);
+            }
+            let messages = messages.list;
             if messages.is_empty() {
                 return Err(CanonError::Empty);
             }

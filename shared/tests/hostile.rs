@@ -118,7 +118,8 @@ fn classic_attack_bodies() {
         parse(Endpoint::ChatCompletions, msgs.as_bytes())
             .map(|r| r.chain(&AdapterRule::default(), 256).chain.len())
     });
-    assert!(n.is_ok_and(|n| n > 0));
+    // Refused (more than MAX_MESSAGES), quickly, without building them.
+    assert_eq!(n, Err(kvroute_shared::canon::CanonError::TooManyMessages));
     drop(msgs);
     // A giant token array (4M tokens) and one with a token out of range at the end.
     let toks = (0..4_000_000u32)
@@ -170,4 +171,27 @@ fn different_salts_never_share_a_block() {
     let (ca, cb) = (a.chain_tokens(&tok), b.chain_tokens(&tok));
     let sa: std::collections::HashSet<u64> = ca.into_iter().collect();
     assert!(cb.iter().all(|h| !sa.contains(h)));
+}
+
+/// A chat body with more messages than the filter will materialize is refused with its
+/// own reason, however small each message is; at the limit it is routed.
+#[test]
+fn chat_bodies_with_too_many_messages_are_refused_not_materialized() {
+    use kvroute_shared::canon::{parse, CanonError, Endpoint, MAX_MESSAGES};
+    let body = |n: usize| {
+        let one = r#"{"role":"user","content":"x"}"#;
+        format!(r#"{{"model":"m","messages":[{}]}}"#, vec![one; n].join(","))
+    };
+    assert!(parse(Endpoint::ChatCompletions, body(MAX_MESSAGES).as_bytes()).is_ok());
+    assert_eq!(
+        parse(Endpoint::ChatCompletions, body(MAX_MESSAGES + 1).as_bytes()).map(|_| ()),
+        Err(CanonError::TooManyMessages)
+    );
+    // Millions of empty objects: read past, never built.
+    let flood = format!(
+        r#"{{"model":"m","messages":[{}]}}"#,
+        vec!["{}"; 2_000_000].join(",")
+    );
+    let r = parse(Endpoint::ChatCompletions, flood.as_bytes()).map(|_| ());
+    assert!(r.is_err(), "{r:?}");
 }
