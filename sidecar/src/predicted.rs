@@ -71,6 +71,13 @@ impl Predicted {
                 }
                 lru.order.push_back((b, now));
             }
+            // Bounded by content, not traffic: a block sent again leaves its earlier queue
+            // entry stale; once stale entries outnumber live ones they are dropped (each
+            // pass removes at least half the queue, so this is amortized O(1) a block).
+            if lru.order.len() > 2 * lru.live.len() + 64 {
+                let live = &lru.live;
+                lru.order.retain(|(b, at)| live.get(b) == Some(at));
+            }
             evict(lru, lru.cap as usize, None)
         };
         if !fresh.is_empty() {
@@ -137,6 +144,11 @@ impl Predicted {
         let ix = self.indexes.get(model)?;
         let r = ix.retire(pod)?;
         Some((ix, r))
+    }
+
+    /// Entries in `pod`'s recency queue (tests: bounded by its live blocks).
+    pub fn queued(&self, pod: &str) -> usize {
+        self.pods.lock().get(pod).map_or(0, |l| l.order.len())
     }
 
     pub fn capacity_of(&self, pod: &str) -> Option<f64> {
@@ -213,5 +225,34 @@ mod tests {
         p.insert("m", "q", &long, 32, at(3700));
         assert_eq!(depth_on(&p, "q", &long), 0, "the prefix was evicted");
         assert_eq!(depth_on(&p, "q", &long[68..]), 32, "the last 32 are held");
+    }
+
+    /// A conversation's history sent again and again (every turn of every chat) costs
+    /// memory in proportion to what is cached, not to how often it was sent.
+    #[test]
+    fn repeated_prompts_do_not_grow_the_queue() {
+        let p = Predicted::default();
+        let chain: Vec<u64> = (1..=64).collect();
+        let t0 = Instant::now();
+        for i in 0..10_000u64 {
+            p.insert(
+                "m",
+                "10.0.0.1:8000",
+                &chain,
+                4096,
+                t0 + Duration::from_millis(i),
+            );
+        }
+        assert!(
+            p.queued("10.0.0.1:8000") <= 2 * 64 + 64 + 64,
+            "{}",
+            p.queued("10.0.0.1:8000")
+        );
+        let ix = p.indexes.get("m").expect("index");
+        assert_eq!(
+            ix.lookup(&chain).first().map(|m| m.depth),
+            Some(64),
+            "still predicted"
+        );
     }
 }
