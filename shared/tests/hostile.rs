@@ -54,6 +54,42 @@ proptest! {
         let _ = EventBatch::decode(&bytes);
         let _ = serde_json::from_slice::<PolicyConfig>(&bytes).map(|c| c.validate());
         let _ = RouteRequest::decode_binary(&bytes);
+        let _ = serde_json::from_slice::<RouteRequest>(&bytes);
+        let _ = kvroute_shared::protocol::ReportBatch::decode(&bytes);
+        let _ = serde_json::from_slice::<kvroute_shared::protocol::LoadDelta>(&bytes);
+    }
+
+    /// The binary route codec on bytes that start like a real body: every prefix and
+    /// every single-byte corruption of a valid encoding decodes or is refused, never more.
+    #[test]
+    fn the_binary_route_codec_survives_corruption(
+        chain in proptest::collection::vec(any::<u64>(), 0..64),
+        at in any::<usize>(),
+        byte in any::<u8>(),
+        cut in any::<usize>(),
+    ) {
+        let req = RouteRequest {
+            model: "m".into(),
+            adapter: String::new(),
+            mode: kvroute_shared::Mode::Tokens,
+            block_size: 16,
+            chain,
+            prompt_tokens: 7,
+            request_id: Some("r".into()),
+            session: None,
+            role: None,
+            dry_run: false,
+        };
+        let mut bytes = req.encode_binary();
+        prop_assert_eq!(RouteRequest::decode_binary(&bytes).ok(), Some(req.clone()));
+        let _ = RouteRequest::decode_binary(&bytes[..cut % (bytes.len() + 1)]);
+        if !bytes.is_empty() {
+            let i = at % bytes.len();
+            bytes[i] = byte;
+            if let Ok(r) = RouteRequest::decode_binary(&bytes) {
+                prop_assert!(r.chain.len() <= bytes.len() / 8);
+            }
+        }
     }
 
     #[test]
@@ -67,6 +103,8 @@ proptest! {
         }
         let _ = EventBatch::decode(&bytes);
         let _ = serde_json::from_slice::<PolicyConfig>(&bytes).map(|c| c.validate());
+        let _ = kvroute_shared::protocol::ReportBatch::decode(&bytes);
+        let _ = serde_json::from_slice::<RouteRequest>(&bytes);
     }
 }
 

@@ -249,6 +249,14 @@ fn ingest_inner(
             return Err(IngestError::Full(e.to_string()));
         }
     };
+    // A DELETE between the registry update above and this join has removed the pod: the
+    // slot just taken must not outlive it.
+    if !sc.pods.lock().contains_key(b.pod.as_str()) {
+        if let Some(r) = index.retire(&b.pod) {
+            sc.queue_cleanup(index.clone(), r);
+        }
+        return Err(IngestError::Removed(b.pod.clone()));
+    }
     if out.restarted {
         sc.metrics.epochs.inc();
         handle = reset_pod(sc, &index, b, "new epoch")?;

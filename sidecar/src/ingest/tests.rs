@@ -218,3 +218,30 @@ fn removed_ev(blocks: &[u64]) -> Event {
         blocks: blocks.to_vec(),
     }
 }
+
+/// Batches racing DELETEs: whenever the pod is gone from the registry, it holds no index
+/// slot either (no orphan slot counts against the model's 256).
+#[test]
+fn a_removal_racing_a_batch_leaves_no_orphan_slot() {
+    let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+    let locks = IngestLocks::default();
+    let pod = "10.0.0.9:8000";
+    for i in 0..300u64 {
+        let b = batch(pod, "m", &format!("e{i}"), 0, vec![stored(&[i + 1])]);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let _ = ingest(&sc, &locks, &b);
+            });
+            s.spawn(|| {
+                sc.remove_pod(pod, "api");
+            });
+        });
+        let registered = sc.pods.lock().contains_key(pod);
+        let slot = sc.indexes.get("m").and_then(|ix| ix.handle(pod));
+        assert_eq!(
+            registered,
+            slot.is_some(),
+            "round {i}: registered {registered}, slot {slot:?}"
+        );
+    }
+}
