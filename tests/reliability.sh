@@ -20,6 +20,8 @@ cargo test -p kvroute-tests --test faults -- --nocapture --test-threads 1 2>&1 |
   echo "| scenario | injected | measured | result |"
   echo "|---|---|---|---|"
   grep -oE "RELIABILITY\|.*" "$out" | sed -E 's/^RELIABILITY\|//; s/\|/ | /g; s/^/| /; s/$/ |/'
+  # The security table names tests in other suites; it is kept by hand beside this script.
+  cat tests/reliability_security.md
 } > docs/reliability.md
 rm -f "$out"
 echo "wrote docs/reliability.md"
