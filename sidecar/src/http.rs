@@ -44,6 +44,7 @@ pub fn router(api: Api) -> Router {
             "/v1/pods/{id}",
             put(put_pod_h).delete(delete_pod_h).get(get_pod_h),
         )
+        .route("/v1/pods/{id}/blocks", get(pod_blocks_h))
         .route("/v1/config", get(get_config_h).put(put_config_h))
         .route("/v1/lookup", get(lookup_get_h).post(lookup_post_h))
         .route("/metrics", get(metrics_h))
@@ -63,7 +64,8 @@ async fn auth(
         let changes_state = matches!(*req.method(), Method::POST | Method::PUT | Method::DELETE);
         // A lookup tells whether a prompt is cached: what users asked, so it is guarded
         // like the admin API whichever the method.
-        let reveals_prompts = req.uri().path() == "/v1/lookup";
+        let path = req.uri().path();
+        let reveals_prompts = path == "/v1/lookup" || path.ends_with("/blocks");
         if (changes_state || reveals_prompts) && !bearer_ok(req.headers(), token) {
             return err(
                 StatusCode::UNAUTHORIZED,
@@ -223,6 +225,27 @@ async fn get_pod_h(State(api): State<Api>, Path(id): Path<String>) -> Response {
         Some(p) => Json(pod_json(&api.sc, &p, std::time::Instant::now())).into_response(),
         None => err(StatusCode::NOT_FOUND, "unknown_pod", format!("no pod {id}")),
     }
+}
+
+/// Every block the index holds for a pod (operators and tests: compare with the engine's
+/// own cache). Guarded like lookups.
+async fn pod_blocks_h(State(api): State<Api>, Path(id): Path<String>) -> Response {
+    let model = api
+        .sc
+        .pods
+        .lock()
+        .get(id.as_str())
+        .map(|p| p.reg.model.clone());
+    let Some(model) = model else {
+        return err(StatusCode::NOT_FOUND, "unknown_pod", format!("no pod {id}"));
+    };
+    let blocks = api
+        .sc
+        .indexes
+        .get(&model)
+        .and_then(|ix| ix.handle(&id).map(|h| ix.blocks_of(h)))
+        .unwrap_or_default();
+    Json(json!({"pod": id, "model": model, "blocks": blocks})).into_response()
 }
 
 async fn put_pod_h(State(api): State<Api>, Path(id): Path<String>, body: Bytes) -> Response {
