@@ -245,3 +245,23 @@ fn a_removal_racing_a_batch_leaves_no_orphan_slot() {
         );
     }
 }
+
+/// An engine that reports `u32::MAX` running and waiting looks as busy as it says, not
+/// idle (the sum used to wrap in release builds).
+#[test]
+fn an_absurd_engine_load_saturates_instead_of_wrapping() {
+    let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+    let locks = IngestLocks::default();
+    let pod = "10.0.0.7:8000";
+    let load = Event::Load {
+        running: u32::MAX,
+        waiting: u32::MAX,
+        kv_usage: 0.5,
+        capacity_blocks: None,
+    };
+    ingest(&sc, &locks, &batch(pod, "m", "e", 0, vec![load])).expect("load");
+    let now = std::time::Instant::now();
+    let p = sc.pods.lock().get(pod).cloned().expect("pod");
+    let v = p.load_view(crate::policy::LoadView::default(), now);
+    assert_eq!(v.inflight, u32::MAX);
+}
