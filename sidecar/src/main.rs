@@ -106,16 +106,7 @@ fn main() -> anyhow::Result<()> {
 
 /// Logging and a runtime for the long-running commands.
 fn service() -> anyhow::Result<tokio::runtime::Runtime> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("KVROUTE_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    Ok(tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?)
+    kvroute_bridge::service_runtime()
 }
 
 fn looks_like_completion(body: &[u8]) -> bool {

@@ -131,12 +131,12 @@ pub async fn run(
             locks: locks.clone(),
             admin_token: None,
         };
-        let rx = guard.0.subscribe();
-        servers.spawn(async move {
-            axum::serve(health, http::health_router(health_api))
-                .with_graceful_shutdown(shutdown(rx))
-                .await
-        });
+        spawn_server(
+            &mut servers,
+            health,
+            http::health_router(health_api),
+            guard.0.subscribe(),
+        );
     }
     if let Some(path) = &a.uds {
         let _ = std::fs::remove_file(path);
@@ -156,12 +156,12 @@ pub async fn run(
             locks: locks.clone(),
             admin_token: None,
         };
-        let rx = guard.0.subscribe();
-        servers.spawn(async move {
-            axum::serve(uds, http::router(uds_api))
-                .with_graceful_shutdown(shutdown(rx))
-                .await
-        });
+        spawn_server(
+            &mut servers,
+            uds,
+            http::router(uds_api),
+            guard.0.subscribe(),
+        );
         eprintln!(
             "kvroute-sidecar: unix socket {} (mode {:o})",
             path.display(),
@@ -187,3 +187,22 @@ pub async fn run(
 }
 
 pub use kvroute_bridge::wait_for_signal;
+
+/// Serve `app` on `listener` until `stop` fires, as one of `servers`.
+fn spawn_server<L>(
+    servers: &mut tokio::task::JoinSet<std::io::Result<()>>,
+    listener: L,
+    app: axum::Router,
+    mut stop: watch::Receiver<bool>,
+) where
+    L: axum::serve::Listener,
+    L::Addr: std::fmt::Debug,
+{
+    servers.spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = stop.changed().await;
+            })
+            .await
+    });
+}

@@ -12,20 +12,15 @@ use kvroute_sidecar::ingest::{self, IngestLocks};
 use kvroute_sidecar::state::Sidecar;
 
 fn batch(pod: &str, seq: u64, dump_url: Option<String>, blocks: &[u64]) -> EventBatch {
+    let stored = Event::Stored {
+        tier: Default::default(),
+        parent: None,
+        blocks: blocks.to_vec(),
+        tokens: None,
+    };
     EventBatch {
-        v: 1,
-        pod: pod.into(),
-        model: "m".into(),
-        epoch: "e".into(),
-        seq,
-        ts: None,
         dump_url,
-        events: vec![Event::Stored {
-            tier: Default::default(),
-            parent: None,
-            blocks: blocks.to_vec(),
-            tokens: None,
-        }],
+        ..EventBatch::new(pod, "m", "e", seq, vec![stored])
     }
 }
 

@@ -161,16 +161,7 @@ pub fn route_req(model: &str, chain: &[u64], block_size: u32) -> RouteRequest {
 }
 
 pub fn batch(pod: &str, model: &str, epoch: &str, seq: u64, events: Vec<Event>) -> EventBatch {
-    EventBatch {
-        v: 1,
-        pod: pod.into(),
-        model: model.into(),
-        epoch: epoch.into(),
-        seq,
-        ts: None,
-        dump_url: None,
-        events,
-    }
+    EventBatch::new(pod, model, epoch, seq, events)
 }
 
 pub fn stored(blocks: &[u64]) -> Event {

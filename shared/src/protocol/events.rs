@@ -198,6 +198,20 @@ impl EventBatch {
     /// The NATS subject this batch is published on by convention:
     /// `kvroute.events.<model>.<pod>`, with the characters NATS gives a meaning to (`.`,
     /// `*`, `>`, whitespace) and `:` replaced by `_` so each stays one subject token.
+    /// A batch of the current version, without send time or dump URL.
+    pub fn new(pod: &str, model: &str, epoch: &str, seq: u64, events: Vec<Event>) -> EventBatch {
+        EventBatch {
+            v: EVENT_VERSION,
+            pod: pod.into(),
+            model: model.into(),
+            epoch: epoch.into(),
+            seq,
+            ts: None,
+            dump_url: None,
+            events,
+        }
+    }
+
     pub fn subject(&self) -> String {
         format!(
             "kvroute.events.{}.{}",

@@ -18,6 +18,21 @@ pub mod vllm;
 
 pub use run::{run, BridgeArgs};
 
+/// Logging (`KVROUTE_LOG`, default `info`, to stderr) and a multi-threaded runtime: how
+/// both kvroute services start.
+pub fn service_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KVROUTE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
+}
+
 /// SIGTERM or SIGINT (the shutdown signal of kvroute's services).
 pub async fn wait_for_signal() {
     use tokio::signal::unix::{signal, SignalKind};

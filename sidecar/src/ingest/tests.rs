@@ -3,16 +3,7 @@ use super::*;
 use kvroute_shared::protocol::PolicyConfig;
 
 fn batch(pod: &str, model: &str, epoch: &str, seq: u64, events: Vec<Event>) -> EventBatch {
-    EventBatch {
-        v: 1,
-        pod: pod.into(),
-        model: model.into(),
-        epoch: epoch.into(),
-        seq,
-        ts: None,
-        dump_url: None,
-        events,
-    }
+    EventBatch::new(pod, model, epoch, seq, events)
 }
 
 fn stored(blocks: &[u64]) -> Event {

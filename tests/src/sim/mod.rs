@@ -191,16 +191,7 @@ impl Sim<'_> {
     /// One batch from pod `k` to every gateway, as the event plane delivers it.
     fn publish(&mut self, k: usize, events: Vec<Event>, t: f64) {
         let p = &mut self.pods[k];
-        let batch = EventBatch {
-            v: 1,
-            pod: p.id.clone(),
-            model: MODEL.into(),
-            epoch: "sim".into(),
-            seq: p.seq,
-            ts: None,
-            dump_url: None,
-            events,
-        };
+        let batch = EventBatch::new(&p.id, MODEL, "sim", p.seq, events);
         p.seq += 1;
         let now = self.at(t);
         for g in &self.gws {
