@@ -19,13 +19,18 @@ async fn publish(nc: &async_nats::Client, b: &EventBatch) {
 }
 
 async fn until_connected(api: &Api) {
+    until_metric(api, "kvroute_nats_connected", 1.0, "nats connected").await;
+}
+
+/// Wait until the sidecar's metric `name` reads `value`.
+async fn until_metric(api: &Api, name: &'static str, value: f64, what: &str) {
     let api = api.clone();
     eventually(
         move || {
             let a = api.clone();
-            Box::pin(async move { a.metric("kvroute_nats_connected").await == 1.0 })
+            Box::pin(async move { a.metric(name).await == value })
         },
-        "nats connected",
+        what,
     )
     .await;
 }
@@ -291,15 +296,7 @@ async fn a_long_nats_outage_under_load_blocks_nothing_and_grows_nothing() {
     }
     until_connected(&api).await;
     nats.stop();
-    let a = api.clone();
-    eventually(
-        move || {
-            let a = a.clone();
-            Box::pin(async move { a.metric("kvroute_nats_connected").await == 0.0 })
-        },
-        "nats disconnected",
-    )
-    .await;
+    until_metric(&api, "kvroute_nats_connected", 0.0, "nats disconnected").await;
 
     let outage = Duration::from_secs(60);
     let t0 = std::time::Instant::now();
@@ -465,16 +462,10 @@ authorization {
         .publish("kvroute.events.m.127_0_0_1_8001", forged.encode().into())
         .await;
     let _ = bridge_a.flush().await;
-    let a = api.clone();
-    eventually(
-        move || {
-            let a = a.clone();
-            Box::pin(async move {
-                a.metric("kvroute_event_batches_rejected_total{reason=\"subject_mismatch\"}")
-                    .await
-                    == 1.0
-            })
-        },
+    until_metric(
+        &api,
+        "kvroute_event_batches_rejected_total{reason=\"subject_mismatch\"}",
+        1.0,
         "the mismatched batch is refused",
     )
     .await;
