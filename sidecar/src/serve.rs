@@ -39,6 +39,10 @@ pub struct ServeArgs {
     pub nats_subject: String,
     #[command(flatten)]
     pub nats_auth: kvroute_bridge::nats_auth::NatsAuth,
+    /// This replica's id: its load deltas go on `kvroute.load.<model>.<id>`, so NATS can
+    /// allow it to publish only there (e.g. the pod name). Default: random per start.
+    #[arg(long, env = "KVROUTE_REPLICA_ID")]
+    pub replica_id: Option<String>,
     /// When set, state-changing requests on the TCP listener need `Authorization: Bearer`.
     #[arg(long, env = "KVROUTE_ADMIN_TOKEN")]
     pub admin_token: Option<String>,
@@ -65,7 +69,7 @@ pub async fn run(
         Some(p) => read_json(p, "config file")?,
         None => PolicyConfig::default(),
     };
-    let (sc, ch) = Sidecar::new(cfg)
+    let (sc, ch) = Sidecar::with_replica(cfg, a.replica_id.clone())
         .map_err(|errs| anyhow::anyhow!("invalid config:\n  {}", errs.join("\n  ")))?;
     if let Some(p) = &a.pods {
         let pods: BTreeMap<String, PodRegistration> = read_json(p, "pods file")?;

@@ -124,6 +124,23 @@ pub enum ConfigError {
 
 impl Sidecar {
     pub fn new(cfg: PolicyConfig) -> Result<(Arc<Sidecar>, Channels), Vec<String>> {
+        Self::with_replica(cfg, None)
+    }
+
+    /// A sidecar whose replica id (its load deltas' subject, its decisions' prefix) is
+    /// `replica`, or a random one. A fixed id lets NATS permissions confine each replica
+    /// to publishing its own deltas.
+    pub fn with_replica(
+        cfg: PolicyConfig,
+        replica: Option<String>,
+    ) -> Result<(Arc<Sidecar>, Channels), Vec<String>> {
+        if let Some(r) = &replica {
+            if !valid_replica_id(r) {
+                return Err(vec![format!(
+                    "replica id {r:?} must be 1-64 characters of [A-Za-z0-9_-]"
+                )]);
+            }
+        }
         cfg.validate()?;
         let (cleanup_tx, cleanup) = mpsc::unbounded_channel();
         let (resync_tx, resync) = mpsc::channel(RESYNC_QUEUE);
@@ -132,12 +149,14 @@ impl Sidecar {
         cfg.version = cfg.version.max(1);
         let metrics = Metrics::default();
         metrics.config_version.set(cfg.version as i64);
-        let replica = format!(
-            "{:016x}",
-            xxhash_rust::xxh3::xxh3_64(
-                format!("{:?}{}", Instant::now(), std::process::id()).as_bytes()
+        let replica = replica.unwrap_or_else(|| {
+            format!(
+                "{:016x}",
+                xxhash_rust::xxh3::xxh3_64(
+                    format!("{:?}{}", Instant::now(), std::process::id()).as_bytes()
+                )
             )
-        );
+        });
         let sc = Sidecar {
             indexes: Indexes::default(),
             predicted: Predicted::default(),
@@ -403,3 +422,10 @@ impl Sidecar {
 }
 
 pub use kvroute_shared::protocol::valid_pod_addr as valid_pod_id;
+
+/// A replica id is one NATS subject token.
+pub fn valid_replica_id(s: &str) -> bool {
+    (1..=64).contains(&s.len())
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}

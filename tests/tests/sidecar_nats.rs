@@ -393,17 +393,21 @@ async fn a_long_nats_outage_under_load_blocks_nothing_and_grows_nothing() {
 }
 
 /// The event plane with the NATS permissions docs/security.md describes: one user per
-/// bridge, allowed to publish only its own pod's subject; sidecars may only subscribe to
-/// events and publish load deltas. Anonymous clients are refused by NATS, a bridge's
-/// publish on another pod's subject is refused by NATS, and a batch that names another
-/// pod on the bridge's own subject is refused by the sidecar.
+/// bridge, allowed to publish only its own pod's subject; one user per sidecar replica,
+/// allowed to publish only its own load deltas. Anonymous clients are refused by NATS, a
+/// bridge's publish on another pod's subject is refused by NATS, a batch that names
+/// another pod on the bridge's own subject is refused by the sidecar, and the replicas'
+/// deltas flow while a replica cannot speak for another.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_permissions_confine_each_bridge_to_its_pod() {
     let conf = r#"
 authorization {
   users = [
-    { user: sidecar, password: sidecar-pass,
-      permissions: { publish: ["kvroute.load.>"],
+    { user: gw-a, password: gw-a-pass,
+      permissions: { publish: ["kvroute.load.*.gw-a"],
+                     subscribe: ["kvroute.events.>", "kvroute.load.>", "_INBOX.>"] } }
+    { user: gw-b, password: gw-b-pass,
+      permissions: { publish: ["kvroute.load.*.gw-b"],
                      subscribe: ["kvroute.events.>", "kvroute.load.>", "_INBOX.>"] } }
     { user: bridge-a, password: bridge-a-pass,
       permissions: { publish: ["kvroute.events.m.127_0_0_1_8001"], subscribe: [] } }
@@ -411,21 +415,69 @@ authorization {
 }
 "#;
     let nats = Nats::start_with_config(conf).expect("nats");
-    let sc = SidecarProc::start(
-        &[
-            "--nats",
-            &nats.url(),
-            "--nats-user",
-            "sidecar",
-            "--nats-password",
-            "sidecar-pass",
-        ],
-        false,
-    )
-    .expect("sidecar");
-    let api = Api::new(sc.addr);
+    let replica = |name: &str| {
+        let pass = format!("{name}-pass");
+        SidecarProc::start(
+            &[
+                "--nats",
+                &nats.url(),
+                "--nats-user",
+                name,
+                "--nats-password",
+                &pass,
+                "--replica-id",
+                name,
+            ],
+            false,
+        )
+        .expect("sidecar")
+    };
+    let (sc, sc_b) = (replica("gw-a"), replica("gw-b"));
+    let (api, api_b) = (Api::new(sc.addr), Api::new(sc_b.addr));
     until_connected(&api).await;
+    until_connected(&api_b).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // The replicas' own deltas flow: a decision on gw-a is load on gw-b.
+    for a in [&api, &api_b] {
+        a.register("127.0.0.1:8009", M).await;
+    }
+    api.route(M, &chain(M, 9, 2, 16), 16).await;
+    until_metric(
+        &api_b,
+        "kvroute_replica_deltas_total{outcome=\"applied\"}",
+        1.0,
+        "gw-a's delta reaches gw-b",
+    )
+    .await;
+    // gw-a cannot speak for another replica: NATS refuses the other subject, and on its
+    // own subject gw-b refuses a payload that names another replica.
+    let gw_a =
+        async_nats::ConnectOptions::with_user_and_password("gw-a".into(), "gw-a-pass".into())
+            .connect(nats.url())
+            .await
+            .expect("gw-a connects");
+    let forged = serde_json::json!({"replica": "gw-c", "id": "x", "pod": "127.0.0.1:8009", "model": M, "op": "add", "blocks": 1000});
+    let bytes = serde_json::to_vec(&forged).expect("json");
+    let _ = gw_a
+        .publish("kvroute.load.m.gw-c", bytes.clone().into())
+        .await;
+    let _ = gw_a.publish("kvroute.load.m.gw-a", bytes.into()).await;
+    let _ = gw_a.flush().await;
+    until_metric(
+        &api_b,
+        "kvroute_replica_deltas_total{outcome=\"subject_mismatch\"}",
+        1.0,
+        "the forged delta is refused",
+    )
+    .await;
+    assert_eq!(
+        api_b
+            .metric("kvroute_replica_deltas_total{outcome=\"applied\"}")
+            .await,
+        1.0,
+        "nothing forged was applied"
+    );
 
     // Nobody without credentials gets in.
     assert!(
