@@ -5,6 +5,18 @@
 
 use super::*;
 
+#[cfg(test)]
+thread_local! {
+    /// Table probes made by this thread (tests count them).
+    pub(super) static PROBES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+#[inline]
+fn count_probes(_n: usize) {
+    #[cfg(test)]
+    PROBES.with(|p| p.set(p.get() + _n as u64));
+}
+
 impl ModelIndex {
     /// Pods holding `key`, masked by the alive set.
     #[inline]
@@ -14,6 +26,7 @@ impl ModelIndex {
 
     #[inline]
     fn probe(&self, key: u64, cands: HostBitmap) -> HostBitmap {
+        count_probes(1);
         self.shard(key).read().get(key).and(cands)
     }
 
@@ -25,6 +38,9 @@ impl ModelIndex {
             let stamp = self.owners_epoch.load(Ordering::Acquire);
             raw.clear();
             self.lookup_slots(chain, &mut raw);
+            if raw.is_empty() {
+                return Vec::new(); // a miss names nobody: no slot table to read
+            }
             let t = self.slots.read();
             if self.owners_epoch.load(Ordering::Acquire) != stamp {
                 continue; // a slot changed owner mid-lookup: its bits may be the old pod's
@@ -54,7 +70,7 @@ impl ModelIndex {
     /// the pod holds `H(k-1)` and not `Hk` — never less than the exact answer, and never
     /// a k at which the pod does not hold the last matched block.
     pub fn lookup_slots(&self, chain: &[u64], out: &mut Vec<(u8, u32)>) {
-        let strategy = *self.strategy.read();
+        let strategy = Strategy::decode(self.strategy.load(Ordering::Relaxed));
         let alive = self.alive.snapshot();
         let start = out.len();
         match strategy {
@@ -122,6 +138,7 @@ impl ModelIndex {
     /// CPU can overlap; a lock per probe would serialize them (a locked instruction is a
     /// full barrier on x86).
     fn probe_batch(&self, keys: &[u64], out: &mut [HostBitmap]) {
+        count_probes(keys.len());
         // read_recursive: the same shard may appear twice in a batch, and a plain read
         // lock taken twice can deadlock behind a waiting writer.
         let guards: [Option<parking_lot::RwLockReadGuard<'_, Shard>>; KARY_BATCH] =
@@ -143,22 +160,22 @@ impl ModelIndex {
         if n == 0 {
             return;
         }
-        // Round 0: the first and the last block. A miss ends here; a full hit is found.
-        let mut got = [HostBitmap::EMPTY; KARY_BATCH];
-        let first_last = [chain[0], chain[n as usize - 1]];
-        self.probe_batch(&first_last, &mut got);
-        let c0 = got[0].and(alive);
+        // Round 0: the first block alone. A miss (the common case for a new prompt) ends
+        // after this one probe.
+        let c0 = self.probe(chain[0], alive);
         if c0.is_empty() {
             return;
         }
-        let full = got[1].and(c0);
-        emit(full, n, out);
-        let rest = c0.and_not(full);
-        if rest.is_empty() || n == 1 {
+        if n == 1 {
+            emit(c0, 1, out);
             return;
         }
-        // Pods in `set` have depth in [lo, hi].
-        let mut work: Vec<(u32, u32, HostBitmap)> = vec![(1, n - 1, rest)];
+        let mut got = [HostBitmap::EMPTY; KARY_BATCH];
+        let rest = c0;
+        // Pods in `set` have depth in [lo, hi]. The first round's probes include the last
+        // block, so full hits are found in it.
+        let mut work: Vec<(u32, u32, HostBitmap)> = vec![(1, n, rest)];
+        let mut first_round = true;
         let mut next = Vec::new();
         let mut keys = [0u64; KARY_BATCH];
         let mut pos = [0u32; KARY_BATCH];
@@ -172,8 +189,13 @@ impl ModelIndex {
                 let f = (fan as u32).min(w).min((KARY_BATCH - k) as u32) as usize;
                 let first = k;
                 for j in 1..=f {
-                    // Evenly spaced depths in (lo, hi]; probing depth p means H(p-1).
-                    let p = lo + ((w as u64 * j as u64) / (f as u64 + 1)) as u32 + 1;
+                    // Evenly spaced depths in (lo, hi] (the first round ends on hi);
+                    // probing depth p means H(p-1).
+                    let p = if first_round {
+                        lo + (w as u64 * j as u64).div_ceil(f as u64) as u32
+                    } else {
+                        lo + ((w as u64 * j as u64) / (f as u64 + 1)) as u32 + 1
+                    };
                     pos[k] = p.min(hi);
                     keys[k] = chain[pos[k] as usize - 1];
                     k += 1;
@@ -206,6 +228,7 @@ impl ModelIndex {
                 }
             }
             std::mem::swap(&mut work, &mut next);
+            first_round = false;
         }
     }
 }

@@ -133,6 +133,29 @@ pub enum Strategy {
     Kary,
 }
 
+impl Strategy {
+    /// As one word, so a lookup reads the strategy without a lock.
+    fn encode(self) -> u64 {
+        match self {
+            Strategy::Linear => 0,
+            Strategy::Binary => 1,
+            Strategy::Kary => 2,
+            Strategy::Auto { linear_max } => 3 + linear_max as u64,
+        }
+    }
+
+    fn decode(v: u64) -> Strategy {
+        match v {
+            0 => Strategy::Linear,
+            1 => Strategy::Binary,
+            2 => Strategy::Kary,
+            n => Strategy::Auto {
+                linear_max: (n - 3) as usize,
+            },
+        }
+    }
+}
+
 impl Default for Strategy {
     fn default() -> Self {
         // Chosen with `kvroute-bench index` (its strategy table): k-ary wins from two
@@ -176,7 +199,7 @@ pub struct ModelIndex {
     /// Cap on entries per shard (the model cap / 256, rounded up).
     shard_cap: AtomicUsize,
     evicted: AtomicU64,
-    strategy: RwLock<Strategy>,
+    strategy: AtomicU64,
 }
 
 impl ModelIndex {
@@ -205,7 +228,7 @@ impl ModelIndex {
                 .collect(),
             shard_cap: AtomicUsize::new(Self::per_shard(max_blocks)),
             evicted: AtomicU64::new(0),
-            strategy: RwLock::new(Strategy::default()),
+            strategy: AtomicU64::new(Strategy::default().encode()),
         }
     }
 
@@ -219,7 +242,7 @@ impl ModelIndex {
     }
 
     pub fn set_strategy(&self, s: Strategy) {
-        *self.strategy.write() = s;
+        self.strategy.store(s.encode(), Ordering::Relaxed);
     }
 
     #[inline]

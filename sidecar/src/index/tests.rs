@@ -195,3 +195,32 @@ fn binary_search_on_holes_never_underestimates() {
     assert!(d == 64 || !ix.holders(c[d as usize]).contains(a.slot));
     assert!(ix.holders(c[d as usize - 1]).contains(a.slot));
 }
+
+/// A chain whose first block nobody holds is answered after one table probe, whatever
+/// its length and the strategy.
+#[test]
+fn a_miss_costs_one_probe() {
+    let ix = ModelIndex::new(1 << 20);
+    let a = ix.join("10.0.0.1:8000").expect("join");
+    let held = chain(1, 128);
+    ix.store(a, Tier::Gpu, &held).expect("store");
+    let miss = chain(2, 128);
+    for s in [
+        Strategy::default(),
+        Strategy::Kary,
+        Strategy::Binary,
+        Strategy::Linear,
+    ] {
+        ix.set_strategy(s);
+        let before = super::lookup::PROBES.with(|p| p.get());
+        assert!(ix.lookup(&miss).is_empty());
+        let probes = super::lookup::PROBES.with(|p| p.get()) - before;
+        assert_eq!(probes, 1, "{s:?}");
+        // And a hit still finds the whole chain.
+        assert_eq!(
+            ix.lookup(&held).first().map(|m| m.depth),
+            Some(128),
+            "{s:?}"
+        );
+    }
+}

@@ -252,6 +252,7 @@ pub fn run(o: &Opts) -> serde_json::Value {
     );
 
     let hashers = hasher_table(o.blocks, o.lookups);
+    let dyn_shape = dynamo_shape(o, &d);
 
     json!({
         "blocks": o.blocks, "depth": o.depth, "pods": o.pods,
@@ -265,7 +266,71 @@ pub fn run(o: &Opts) -> serde_json::Value {
         "pod_removal_flip_ns": flip, "pod_removal_cleanup_ms": cleanup_ms,
         "removal_baseline_lookup_p99_ns": base99, "removal_during_lookup_p99_ns": during99,
         "strategy": strategy, "hashers": hashers,
+        "dynamo_shape_hit_p50_ns": dyn_shape.0, "dynamo_shape_hit_p99_ns": dyn_shape.1,
+        "dynamo_shape_miss_p50_ns": dyn_shape.2,
+        "dynamo_shape_radix_hit_p50_ns": dyn_shape.3, "dynamo_shape_radix_hit_p99_ns": dyn_shape.4,
     })
+}
+
+/// Dynamo's micro-benchmark shape: for every sequence, 14 pods hold the same 32-block
+/// prefix and one more pod the whole chain (15 holders of the prefix); random full-chain
+/// lookups after the index has settled, beside the radix baseline on the same data.
+/// Returns (hit p50, hit p99, miss p50, radix hit p50, radix hit p99), ns.
+fn dynamo_shape(o: &Opts, d: &Data) -> (u64, u64, u64, u64, u64) {
+    const SHARED: usize = 32;
+    const HOLDERS: usize = 14;
+    let pods = o.pods.max(HOLDERS + 1);
+    let ix = ModelIndex::new(u64::MAX / 2);
+    let hs: Vec<PodHandle> = (0..pods)
+        .map(|p| {
+            ix.join(&format!("10.1.{}.{}:8000", p / 250, p % 250))
+                .expect("join")
+        })
+        .collect();
+    let mut radix = RadixIndex::default();
+    for (i, s) in d.seqs.iter().enumerate() {
+        let prefix = &s[..SHARED.min(s.len())];
+        for k in 1..=HOLDERS {
+            ix.store(hs[(i + k) % pods], Tier::Gpu, prefix)
+                .expect("store");
+            radix.store(((i + k) % pods) as u16, None, prefix);
+        }
+        ix.store(hs[i % pods], Tier::Gpu, s).expect("store");
+        radix.store((i % pods) as u16, None, s);
+    }
+    let mut hit = full_lookups(&ix, d, o.lookups, 7);
+    let mut miss = Samples::with_capacity(o.lookups);
+    let mut rng = Rng(98);
+    for _ in 0..o.lookups {
+        let c: Vec<u64> = (0..o.depth).map(|_| rng.next_u64()).collect();
+        let r = miss.time(|| ix.lookup(&c));
+        std::hint::black_box(r);
+    }
+    let mut rs = Samples::with_capacity(o.lookups);
+    let mut rng = Rng(7);
+    for _ in 0..o.lookups {
+        let c = &d.seqs[rng.below(d.seqs.len())];
+        let r = rs.time(|| radix.find_matches(c));
+        std::hint::black_box(r);
+    }
+    let r = (
+        hit.pct(50.0),
+        hit.pct(99.0),
+        miss.pct(50.0),
+        rs.pct(50.0),
+        rs.pct(99.0),
+    );
+    println!(
+        "  Dynamo's shape (14 pods x {SHARED}-block prefix + 1 x {}): hit p50 {} ns p99 {} ns, miss p50 {} ns; radix hit p50 {} ns p99 {} ns ({:.1}x)",
+        o.depth,
+        r.0,
+        r.1,
+        r.2,
+        r.3,
+        r.4,
+        r.3 as f64 / r.0.max(1) as f64
+    );
+    r
 }
 
 fn concurrent(ix: &ModelIndex, hs: &[PodHandle], d: &Data, dur: Duration) -> (u64, f64) {
