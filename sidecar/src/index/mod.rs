@@ -6,9 +6,11 @@
 //! - pods of the model get a slot 0..=255 and a bit in a [`HostBitmap`];
 //! - `block hash → holders` lives in 256 shards, each its own lock on its own cache line,
 //!   the shard chosen by the high bits of `hash × 0x9E3779B97F4A7C15` (Fibonacci hashing);
-//! - a lookup probes `index[Hi] AND alive` along the chain, by binary search over the
-//!   chain for long chains (pods drop out at their first miss) or a linear walk for short
-//!   ones;
+//! - a lookup probes `index[Hi] AND alive` along the chain: the first block alone (a
+//!   miss ends there, after one probe), then a k-ary search whose rounds probe several
+//!   positions under one batch of shard locks, so their cache misses overlap (pods drop
+//!   out at their first miss); binary search and a linear walk are kept as strategies
+//!   and as the oracle;
 //! - pod removal is two-phase: [`ModelIndex::retire`] clears the alive bit (O(1)); then
 //!   [`ModelIndex::cleanup`] walks the shards in the background and frees the slot;
 //! - tiers live per pod off the hot path (`tiers`).
