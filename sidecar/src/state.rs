@@ -11,7 +11,7 @@
 //! index locks are never held with either (docs/architecture.md).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -75,8 +75,6 @@ pub struct Sidecar {
     pub(crate) nats_configured: AtomicBool,
     pub started: Instant,
     outbox: mpsc::Sender<LoadDelta>,
-    /// Someone publishes the outbox (otherwise deltas are not even queued).
-    replica_sync: AtomicBool,
 }
 
 /// Why a pod registration was refused. `reason()` is the stable label.
@@ -171,7 +169,6 @@ impl Sidecar {
             nats_configured: AtomicBool::new(false),
             started: Instant::now(),
             outbox,
-            replica_sync: AtomicBool::new(false),
         };
         Ok((
             Arc::new(sc),
@@ -352,15 +349,13 @@ impl Sidecar {
     }
 
     /// The outbox is published from now on (by the NATS task or a simulator).
+    /// (The ledger builds deltas only while this is on.)
     pub fn enable_replica_sync(&self, on: bool) {
-        self.replica_sync.store(on, Ordering::Relaxed);
+        self.ledger.set_announce(on);
     }
 
     /// Queue load deltas for the other replicas; never waits.
     pub(crate) fn publish(&self, deltas: Vec<LoadDelta>) {
-        if !self.replica_sync.load(Ordering::Relaxed) {
-            return;
-        }
         for d in deltas {
             let outcome = match self.outbox.try_send(d) {
                 Ok(()) => "queued",

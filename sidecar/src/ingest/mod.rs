@@ -8,6 +8,11 @@
 //! batches, otherwise its blocks are dropped and rebuilt from live events). Batches of one pod are applied under that
 //! pod's ingest lock, so two consumers cannot interleave them out of order.
 
+mod error;
+mod resync;
+#[cfg(test)]
+mod tests;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -18,6 +23,9 @@ use parking_lot::Mutex;
 use crate::index::{ModelIndex, PodHandle};
 use crate::pods::{EngineLoad, Pod};
 use crate::state::{ResyncJob, Sidecar};
+
+pub use error::IngestError;
+pub use resync::{apply_dump, drop_blocks, dump_url_on_pod};
 
 /// Pods the registry tracks at most (registered, and learned from events).
 pub const MAX_PODS: usize = 4096;
@@ -350,11 +358,3 @@ pub(super) fn reset_pod(
     tracing::debug!(pod = %b.pod, why, "pod blocks dropped");
     Ok(h)
 }
-
-mod error;
-mod resync;
-#[cfg(test)]
-mod tests;
-
-pub use error::IngestError;
-pub use resync::{apply_dump, drop_blocks, dump_url_on_pod};

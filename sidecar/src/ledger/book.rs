@@ -35,8 +35,6 @@ pub(super) struct PodLoad {
 
 #[derive(Default)]
 pub(super) struct Book {
-    /// When another replica's delta last arrived.
-    pub(super) peer_seen: Option<Instant>,
     pub(super) pods: HashMap<Arc<str>, PodLoad>,
     pub(super) decisions: HashMap<u64, Decision>,
     /// In-flight requests per routing prefix and pod; an entry lives while it is > 0.

@@ -105,6 +105,12 @@ pub struct Ledger {
     /// This replica's id: names its decisions to the others and to the filter.
     replica: String,
     next: std::sync::atomic::AtomicU64,
+    /// Deltas are built for other replicas (someone publishes them); off, the ledger's
+    /// methods return none and a route allocates nothing for them.
+    announce: std::sync::atomic::AtomicBool,
+    /// When another replica's delta last arrived, as nanoseconds on [`clock`] (0: never);
+    /// read on every route, so outside the book's lock.
+    peer_seen_ns: std::sync::atomic::AtomicU64,
 }
 
 /// Another replica is taken to share our pods while its deltas arrived this recently.
@@ -116,7 +122,15 @@ impl Ledger {
             book: Mutex::new(Book::default()),
             replica,
             next: std::sync::atomic::AtomicU64::new(1),
+            announce: std::sync::atomic::AtomicBool::new(false),
+            peer_seen_ns: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// Build deltas for other replicas from now on (`on`), or stop.
+    pub fn set_announce(&self, on: bool) {
+        self.announce
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub fn replica(&self) -> &str {
@@ -264,7 +278,10 @@ impl Ledger {
         let (t, tps) = (clock(now), cfg.prefill_tokens_per_s);
         let key = (l.replica.clone(), l.id.clone());
         let mut book = self.book.lock();
-        book.peer_seen = Some(book.peer_seen.map_or(now, |t| t.max(now)));
+        self.peer_seen_ns.fetch_max(
+            ((t * 1e9) as u64).max(1),
+            std::sync::atomic::Ordering::Relaxed,
+        );
         match l.op {
             LoadOp::Add => {
                 if book
@@ -340,10 +357,8 @@ impl Ledger {
 
     /// Other replicas route to the same pods (their deltas arrived lately).
     pub fn has_peers(&self, now: Instant) -> bool {
-        self.book
-            .lock()
-            .peer_seen
-            .is_some_and(|t| now.saturating_duration_since(t) < PEER_FRESH)
+        let seen = self.peer_seen_ns.load(std::sync::atomic::Ordering::Relaxed);
+        seen > 0 && clock(now) - (seen as f64 / 1e9) < PEER_FRESH.as_secs_f64()
     }
 
     /// Outstanding decisions of this replica.
@@ -373,6 +388,9 @@ impl Ledger {
 
     /// The deltas that tell other replicas about `d` (one per pod it loads).
     fn deltas(&self, d: &Decision, op: LoadOp) -> Vec<LoadDelta> {
+        if !self.announce.load(std::sync::atomic::Ordering::Relaxed) {
+            return Vec::new();
+        }
         let id = self.external_id(d.id);
         let mut v = Vec::with_capacity(2);
         let split = d.d.prefill_pod.as_ref().filter(|p| **p != d.d.pod);

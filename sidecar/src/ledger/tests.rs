@@ -7,6 +7,13 @@ use kvroute_shared::protocol::{LoadOp, PolicyConfig};
 
 use super::*;
 
+/// A ledger whose deltas are published (as with NATS configured).
+fn ledger(replica: &str) -> Ledger {
+    let l = Ledger::new(replica.into());
+    l.set_announce(true);
+    l
+}
+
 fn decision(pod: &str, prefill_pod: Option<&str>, prefix: Option<u64>) -> NewDecision {
     NewDecision {
         model: "m".into(),
@@ -23,11 +30,7 @@ fn decision(pod: &str, prefill_pod: Option<&str>, prefix: Option<u64>) -> NewDec
 
 #[test]
 fn a_decision_is_released_once_and_leaves_nothing_behind() {
-    let (l, cfg, now) = (
-        Ledger::new("r1".into()),
-        PolicyConfig::default(),
-        Instant::now(),
-    );
+    let (l, cfg, now) = (ledger("r1"), PolicyConfig::default(), Instant::now());
     let (id, adds) = l.commit(decision("a:1", None, Some(7)), now, &cfg);
     assert_eq!(adds.len(), 1);
     let v = l.view("a:1", Some(7), now, &cfg);
@@ -63,11 +66,7 @@ fn external_ids_name_only_this_replicas_decisions() {
 
 #[test]
 fn remote_adds_are_idempotent_and_expire() {
-    let (l, cfg, now) = (
-        Ledger::new("me".into()),
-        PolicyConfig::default(),
-        Instant::now(),
-    );
+    let (l, cfg, now) = (ledger("me"), PolicyConfig::default(), Instant::now());
     let pod: Arc<str> = Arc::from("a:1");
     let delta = |op, id: &str| LoadDelta {
         replica: "peer".into(),
@@ -107,11 +106,7 @@ fn remote_adds_are_idempotent_and_expire() {
 
 #[test]
 fn a_removed_pod_takes_its_decisions_and_keeps_others_shares() {
-    let (l, cfg, now) = (
-        Ledger::new("me".into()),
-        PolicyConfig::default(),
-        Instant::now(),
-    );
+    let (l, cfg, now) = (ledger("me"), PolicyConfig::default(), Instant::now());
     // Decoded on a, prefilled on b.
     let (split, adds) = l.commit(decision("a:1", Some("b:1"), None), now, &cfg);
     assert_eq!(adds.len(), 2, "each pod's share is announced");
@@ -133,15 +128,24 @@ fn a_removed_pod_takes_its_decisions_and_keeps_others_shares() {
 
 #[test]
 fn unreported_decisions_expire_after_the_timeout() {
-    let (l, cfg, now) = (
-        Ledger::new("me".into()),
-        PolicyConfig::default(),
-        Instant::now(),
-    );
+    let (l, cfg, now) = (ledger("me"), PolicyConfig::default(), Instant::now());
     l.commit(decision("a:1", None, None), now, &cfg);
     let timeout = Duration::from_secs(cfg.load_timeout_s);
     assert!(l.expire(now + timeout / 2, timeout, &cfg).0.is_empty());
     let (gone, releases) = l.expire(now + timeout * 2, timeout, &cfg);
     assert_eq!((gone.len(), releases.len()), (1, 1));
     assert_eq!(l.outstanding(), 0);
+}
+
+#[test]
+fn without_replica_sync_no_deltas_are_built() {
+    let (l, cfg, now) = (
+        Ledger::new("me".into()),
+        PolicyConfig::default(),
+        Instant::now(),
+    );
+    let (id, adds) = l.commit(decision("a:1", Some("b:1"), None), now, &cfg);
+    assert!(adds.is_empty());
+    let (_, releases) = l.release(id, now, &cfg).expect("released");
+    assert!(releases.is_empty());
 }

@@ -139,7 +139,6 @@ pub fn route_with(
         sc.publish(deltas.clone());
     }
     Ok(answer(
-        sc,
         &cfg,
         req,
         &facts,
@@ -370,7 +369,6 @@ fn commit(
 
 #[allow(clippy::too_many_arguments)]
 fn answer(
-    sc: &Sidecar,
     cfg: &PolicyConfig,
     req: &RouteRequest,
     facts: &Facts,
@@ -381,7 +379,6 @@ fn answer(
     prefill_pod: Option<Arc<str>>,
     decision: Option<String>,
 ) -> RouteResponse {
-    let _ = sc;
     let ranked = ranking
         .order
         .iter()
