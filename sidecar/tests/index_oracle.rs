@@ -173,7 +173,9 @@ proptest! {
                 Op::Lookup { chain, len } => {
                     let c = &chains[chain][..len];
                     let want = oracle.lookup(c);
-                    for s in [Walk::Linear, Walk::Binary, Walk::Kary] {
+                    // Memo twice: the first may start from another chain's depths (or
+                    // stale ones), the second from this chain's own.
+                    for s in [Walk::Linear, Walk::Binary, Walk::Kary, Walk::Memo, Walk::Memo] {
                         ix.set_strategy(s);
                         prop_assert_eq!(sorted(&ix, c), want.clone(), "{:?}", s);
                     }
@@ -192,7 +194,7 @@ proptest! {
     }
 
     #[test]
-    fn on_holes_linear_is_exact_and_binary_never_underestimates(
+    fn on_holes_linear_is_exact_and_the_searches_never_underestimate(
         removals in proptest::collection::vec((0..3usize, 0..24usize), 0..40),
     ) {
         let chains = chains();
@@ -211,13 +213,15 @@ proptest! {
         let oracle = Oracle { held };
         ix.set_strategy(Walk::Linear);
         prop_assert_eq!(sorted(&ix, &chains[0]), oracle.lookup(&chains[0]));
-        ix.set_strategy(Walk::Binary);
-        for m in ix.lookup(&chains[0]) {
-            let exact = oracle.depth(&m.pod, &chains[0]);
-            prop_assert!(m.depth >= exact, "binary {} < exact {}", m.depth, exact);
-            let d = m.depth as usize;
-            prop_assert!(oracle.held[&*m.pod].contains(&chains[0][d - 1]));
-            prop_assert!(d == chains[0].len() || !oracle.held[&*m.pod].contains(&chains[0][d]));
+        for s in [Walk::Binary, Walk::Kary, Walk::Memo, Walk::Memo] {
+            ix.set_strategy(s);
+            for m in ix.lookup(&chains[0]) {
+                let exact = oracle.depth(&m.pod, &chains[0]);
+                prop_assert!(m.depth >= exact, "{:?} {} < exact {}", s, m.depth, exact);
+                let d = m.depth as usize;
+                prop_assert!(oracle.held[&*m.pod].contains(&chains[0][d - 1]));
+                prop_assert!(d == chains[0].len() || !oracle.held[&*m.pod].contains(&chains[0][d]));
+            }
         }
     }
 }

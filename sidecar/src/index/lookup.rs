@@ -1,8 +1,10 @@
 //! The lookup paths: the deepest prefix each live pod holds, by probing the chain with
 //! `holders AND alive` — a linear walk for short chains, a binary search or a k-ary
-//! search (probes batched per round) for long ones. Every path must agree with the
-//! linear walk (`tests/index_oracle.rs`).
+//! search (probes batched per round) for long ones, the k-ary one optionally started from
+//! the depth memo. Every path must agree with the linear walk (`tests/index_oracle.rs`
+//! runs each, the memoized one cold and warm).
 
+use super::memo::Depths;
 use super::*;
 
 #[cfg(test)]
@@ -33,11 +35,23 @@ impl ModelIndex {
     /// Every live pod with a non-empty cached prefix of `chain`, deepest first (ties by
     /// slot). See [`ModelIndex::lookup_slots`] for the depth semantics.
     pub fn lookup(&self, chain: &[u64]) -> Vec<PodMatch> {
-        let mut raw = Vec::new();
+        thread_local! {
+            // The walk's scratch, reused: a lookup allocates only its answer.
+            static RAW: std::cell::RefCell<Vec<(u8, u32)>> = const { std::cell::RefCell::new(Vec::new()) };
+        }
+        RAW.with(|raw| {
+            let Ok(mut raw) = raw.try_borrow_mut() else {
+                return self.lookup_with(chain, &mut Vec::new()); // re-entered: not expected
+            };
+            self.lookup_with(chain, &mut raw)
+        })
+    }
+
+    fn lookup_with(&self, chain: &[u64], raw: &mut Vec<(u8, u32)>) -> Vec<PodMatch> {
         loop {
             let stamp = self.owners_epoch.load(Ordering::Acquire);
             raw.clear();
-            self.lookup_slots(chain, &mut raw);
+            self.lookup_slots(chain, raw);
             if raw.is_empty() {
                 return Vec::new(); // a miss names nobody: no slot table to read
             }
@@ -76,11 +90,12 @@ impl ModelIndex {
         match strategy {
             Strategy::Linear => self.walk_linear(chain, alive, out),
             Strategy::Binary => self.walk_binary(chain, alive, out),
-            Strategy::Kary => self.walk_kary(chain, alive, out),
+            Strategy::Kary => self.walk_kary(chain, alive, out, false),
+            Strategy::Memo => self.walk_kary(chain, alive, out, true),
             Strategy::Auto { linear_max } if chain.len() <= linear_max => {
                 self.walk_linear(chain, alive, out)
             }
-            Strategy::Auto { .. } => self.walk_kary(chain, alive, out),
+            Strategy::Auto { .. } => self.walk_kary(chain, alive, out, true),
         }
         out[start..].sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
     }
@@ -155,47 +170,94 @@ impl ModelIndex {
         }
     }
 
-    fn walk_kary(&self, chain: &[u64], alive: HostBitmap, out: &mut Vec<(u8, u32)>) {
+    /// k-ary search. With `memo`, a first block the memo knows is probed together with
+    /// `d` and `d+1` for each remembered depth `d` (and the last block), which usually
+    /// settles every pod in that one round; the depths found are remembered for the next
+    /// chain starting with the same block.
+    fn walk_kary(&self, chain: &[u64], alive: HostBitmap, out: &mut Vec<(u8, u32)>, memo: bool) {
         let n = chain.len() as u32;
-        if n == 0 {
-            return;
-        }
-        // Round 0: the first block alone. A miss (the common case for a new prompt) ends
-        // after this one probe.
-        let c0 = self.probe(chain[0], alive);
-        if c0.is_empty() {
-            return;
-        }
-        if n == 1 {
-            emit(c0, 1, out);
-            return;
-        }
-        let mut got = [HostBitmap::EMPTY; KARY_BATCH];
-        let rest = c0;
-        // Pods in `set` have depth in [lo, hi]. The first round's probes include the last
-        // block, so full hits are found in it.
-        let mut work: Vec<(u32, u32, HostBitmap)> = vec![(1, n, rest)];
-        let mut first_round = true;
-        let mut next = Vec::new();
+        let Some(&h0) = chain.first() else { return };
         let mut keys = [0u64; KARY_BATCH];
         let mut pos = [0u32; KARY_BATCH];
+        let mut got = [HostBitmap::EMPTY; KARY_BATCH];
+        // A chain of up to KARY_BATCH + 1 blocks is settled in two rounds without the
+        // memo (the first block, then every other position), so it gains nothing from a
+        // guess that may be wrong.
+        let seen = if memo && n as usize > KARY_BATCH + 1 {
+            self.memo.get(h0)
+        } else {
+            None
+        };
+        let start = out.len();
+        let mut work: Vec<(u32, u32, HostBitmap)> = Vec::new();
+        let mut next = Vec::new();
+        if let Some(depths) = seen {
+            // One round: the first block with the remembered boundaries.
+            keys[0] = h0;
+            let mut k = 1;
+            let mut want = [0u32; 2 * super::memo::DEPTHS + 1];
+            let mut w = 0;
+            for d in depths.iter() {
+                for p in [d, d + 1] {
+                    if p >= 2 && p <= n {
+                        want[w] = p;
+                        w += 1;
+                    }
+                }
+            }
+            want[w] = n;
+            w += 1;
+            let want = &mut want[..w];
+            want.sort_unstable();
+            for (i, &p) in want.iter().enumerate() {
+                if i == 0 || p != want[i - 1] {
+                    pos[k] = p;
+                    keys[k] = chain[p as usize - 1];
+                    k += 1;
+                }
+            }
+            self.probe_batch(&keys[..k], &mut got[..k]);
+            let c0 = got[0].and(alive);
+            if c0.is_empty() {
+                self.memo.put(h0, seen, Default::default());
+                return;
+            }
+            split(1, n, c0, &pos[1..k], &got[1..k], &mut next, out);
+        } else {
+            // The first block alone: a miss (the common case for a new prompt) ends
+            // after this one probe.
+            let c0 = self.probe(h0, alive);
+            if c0.is_empty() {
+                return;
+            }
+            if n == 1 {
+                emit(c0, 1, out);
+                return;
+            }
+            // The first round's probes end on the last block, so full hits settle in it.
+            let f = KARY_FANOUT.min(n as usize - 1);
+            for j in 1..=f {
+                pos[j - 1] = 1 + ((n as u64 - 1) * j as u64).div_ceil(f as u64) as u32;
+                keys[j - 1] = chain[pos[j - 1] as usize - 1];
+            }
+            self.probe_batch(&keys[..f], &mut got[..f]);
+            split(1, n, c0, &pos[..f], &got[..f], &mut next, out);
+        }
+        std::mem::swap(&mut work, &mut next);
+        // Pods in `set` have depth in [lo, hi]; later rounds share the batch among the
+        // open intervals, probing evenly spaced depths strictly inside each.
+        let mut plan: Vec<(usize, usize)> = Vec::new(); // (first, count) in keys
         while !work.is_empty() {
-            // Share the batch among the open intervals.
             let fan = (KARY_BATCH / work.len()).clamp(1, KARY_FANOUT);
             let mut k = 0;
-            let mut plan: Vec<(usize, usize)> = Vec::with_capacity(work.len()); // (first, count) in keys
+            plan.clear();
             for &(lo, hi, _) in &work {
                 let w = hi - lo; // candidate depths above lo
                 let f = (fan as u32).min(w).min((KARY_BATCH - k) as u32) as usize;
                 let first = k;
                 for j in 1..=f {
-                    // Evenly spaced depths in (lo, hi] (the first round ends on hi);
-                    // probing depth p means H(p-1).
-                    let p = if first_round {
-                        lo + (w as u64 * j as u64).div_ceil(f as u64) as u32
-                    } else {
-                        lo + ((w as u64 * j as u64) / (f as u64 + 1)) as u32 + 1
-                    };
+                    // Probing depth p means H(p-1).
+                    let p = lo + ((w as u64 * j as u64) / (f as u64 + 1)) as u32 + 1;
                     pos[k] = p.min(hi);
                     keys[k] = chain[pos[k] as usize - 1];
                     k += 1;
@@ -205,32 +267,52 @@ impl ModelIndex {
             self.probe_batch(&keys[..k], &mut got[..k]);
             next.clear();
             for (&(lo, hi, set), &(first, f)) in work.iter().zip(&plan) {
-                if f == 0 {
-                    emit(set, lo, out);
-                    continue;
-                }
-                let mut cur = set;
-                let mut prev = lo;
-                for j in first..first + f {
-                    let held = cur.and(got[j]);
-                    let gone = cur.and_not(held);
-                    if !gone.is_empty() {
-                        push_interval(&mut next, prev, pos[j] - 1, gone, out);
-                    }
-                    cur = held;
-                    prev = pos[j];
-                    if cur.is_empty() {
-                        break;
-                    }
-                }
-                if !cur.is_empty() {
-                    push_interval(&mut next, prev, hi, cur, out);
-                }
+                let r = first..first + f;
+                split(lo, hi, set, &pos[r.clone()], &got[r], &mut next, out);
             }
             std::mem::swap(&mut work, &mut next);
-            first_round = false;
+        }
+        if memo && n as usize > KARY_BATCH + 1 {
+            self.memo.put(
+                h0,
+                seen,
+                Depths::deepest(out[start..].iter().map(|&(_, d)| d)),
+            );
         }
     }
+}
+
+/// Narrow the pods of `set` (depths in [lo, hi]) by probes at increasing depths `pos`
+/// (results `got`): a pod drops out at the first probe it does not hold, which bounds
+/// its depth to the interval since the previous probe.
+fn split(
+    lo: u32,
+    hi: u32,
+    set: HostBitmap,
+    pos: &[u32],
+    got: &[HostBitmap],
+    next: &mut Vec<(u32, u32, HostBitmap)>,
+    out: &mut Vec<(u8, u32)>,
+) {
+    if pos.is_empty() {
+        emit(set, lo, out);
+        return;
+    }
+    let mut cur = set;
+    let mut prev = lo;
+    for (&p, &g) in pos.iter().zip(got) {
+        let held = cur.and(g);
+        let gone = cur.and_not(held);
+        if !gone.is_empty() {
+            push_interval(next, prev, p - 1, gone, out);
+        }
+        cur = held;
+        prev = p;
+        if cur.is_empty() {
+            return;
+        }
+    }
+    push_interval(next, prev, hi, cur, out);
 }
 
 const KARY_BATCH: usize = 16;

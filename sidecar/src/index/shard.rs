@@ -392,7 +392,7 @@ impl Shard {
 
     /// Heap bytes this shard holds (table, slab, ring).
     pub fn heap_bytes(&self) -> usize {
-        self.map.capacity() * 16
+        self.map.capacity() * super::table::SLOT_BYTES
             + self.wide.capacity() * std::mem::size_of::<HostBitmap>()
             + self.free_wide.capacity() * 4
             + self.ring.capacity() * 8

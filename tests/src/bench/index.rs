@@ -95,6 +95,43 @@ fn lookups(ix: &ModelIndex, d: &Data, n: usize, len: usize, seed: u64) -> Sample
     s
 }
 
+/// One untimed lookup of every chain: the index settled, as a router's is after its
+/// prefixes have been seen (the depth memo remembers them; caches are warm). The radix
+/// baseline gets the same pass.
+fn settle(ix: &ModelIndex, d: &Data) {
+    for s in &d.seqs {
+        std::hint::black_box(ix.lookup(s));
+    }
+}
+
+fn radix_settle(radix: &RadixIndex, d: &Data) {
+    for s in &d.seqs {
+        std::hint::black_box(radix.find_matches(s));
+    }
+}
+
+/// The radix baseline on kvroute's shape with `pods` pods: (store rate, hit p50, hit p99).
+fn radix_shape(o: &Opts, d: &Data, pods: usize) -> (f64, u64, u64) {
+    let mut radix = RadixIndex::default();
+    let t = Instant::now();
+    let mut pairs = 0u64;
+    for (i, s) in d.seqs.iter().enumerate() {
+        radix.store((i % pods) as u16, None, s);
+        radix.store(((i + 1) % pods) as u16, None, &s[..d.partial[i]]);
+        pairs += (s.len() + d.partial[i]) as u64;
+    }
+    let rate = pairs as f64 / t.elapsed().as_secs_f64();
+    radix_settle(&radix, d);
+    let mut rs = Samples::with_capacity(o.lookups);
+    let mut rng = Rng(1);
+    for _ in 0..o.lookups {
+        let c = &d.seqs[rng.below(d.seqs.len())];
+        let r = rs.time(|| radix.find_matches(c));
+        std::hint::black_box(r);
+    }
+    (rate, rs.pct(50.0), rs.pct(99.0))
+}
+
 fn full_lookups(ix: &ModelIndex, d: &Data, n: usize, seed: u64) -> Samples {
     let mut rng = Rng(seed);
     let mut s = Samples::with_capacity(n);
@@ -122,9 +159,15 @@ pub fn run(o: &Opts) -> serde_json::Value {
         store_rate / 1e6
     );
 
-    // Hits through the full API (names resolved), then the slot-level walk.
+    // Hits through the full API (names resolved), settled; then the same with the depth
+    // memo off (every lookup a cold k-ary search), then the slot-level walk.
+    settle(&ix, &d);
     let mut hit = full_lookups(&ix, &d, o.lookups, 1);
     let (hit50, hit99) = (hit.pct(50.0), hit.pct(99.0));
+    ix.set_strategy(Strategy::Kary);
+    let mut cold = full_lookups(&ix, &d, o.lookups, 1);
+    let (cold50, cold99) = (cold.pct(50.0), cold.pct(99.0));
+    ix.set_strategy(Strategy::default());
     let mut miss = Samples::with_capacity(o.lookups);
     let mut rng = Rng(99);
     for _ in 0..o.lookups {
@@ -134,12 +177,13 @@ pub fn run(o: &Opts) -> serde_json::Value {
     }
     let miss50 = miss.pct(50.0);
     println!("  lookup hit p50 {hit50} ns, p99 {hit99} ns; miss p50 {miss50} ns");
+    println!("  without the depth memo (cold k-ary): hit p50 {cold50} ns, p99 {cold99} ns");
 
     // Strategy table: linear vs binary by chain length.
     println!("  strategy (hit p50 ns by chain length):");
     println!(
-        "    {:>6} {:>8} {:>8} {:>8}",
-        "len", "linear", "binary", "k-ary"
+        "    {:>6} {:>8} {:>8} {:>8} {:>8}",
+        "len", "linear", "binary", "k-ary", "memo"
     );
     let mut strategy = Vec::new();
     for len in [2usize, 4, 8, 16, 32, 64, 128] {
@@ -152,11 +196,15 @@ pub fn run(o: &Opts) -> serde_json::Value {
         let b = lookups(&ix, &d, o.lookups / 4, len, 5).pct(50.0);
         ix.set_strategy(Strategy::Kary);
         let k = lookups(&ix, &d, o.lookups / 4, len, 5).pct(50.0);
-        println!("    {len:>6} {l:>8} {b:>8} {k:>8}");
-        strategy
-            .push(json!({"len": len, "linear_p50_ns": l, "binary_p50_ns": b, "kary_p50_ns": k}));
+        ix.set_strategy(Strategy::Memo);
+        let _ = lookups(&ix, &d, d.seqs.len(), len, 6); // settle the memo at this length
+        let m = lookups(&ix, &d, o.lookups / 4, len, 5).pct(50.0);
+        println!("    {len:>6} {l:>8} {b:>8} {k:>8} {m:>8}");
+        strategy.push(json!({"len": len, "linear_p50_ns": l, "binary_p50_ns": b,
+            "kary_p50_ns": k, "memo_p50_ns": m}));
     }
     ix.set_strategy(Strategy::default());
+    settle(&ix, &d);
 
     // Naive: per-pod sets scanned pod by pod.
     let mut per_pod: Vec<hashbrown::HashSet<u64>> = vec![hashbrown::HashSet::new(); o.pods];
@@ -181,24 +229,7 @@ pub fn run(o: &Opts) -> serde_json::Value {
     drop(per_pod);
 
     // Radix tree baseline.
-    let mut radix = RadixIndex::default();
-    let t = Instant::now();
-    let mut pairs = 0u64;
-    for (i, s) in d.seqs.iter().enumerate() {
-        radix.store((i % o.pods) as u16, None, s);
-        radix.store(((i + 1) % o.pods) as u16, None, &s[..d.partial[i]]);
-        pairs += (s.len() + d.partial[i]) as u64;
-    }
-    let radix_store_rate = pairs as f64 / t.elapsed().as_secs_f64();
-    let mut rs = Samples::with_capacity(o.lookups);
-    let mut rng = Rng(1);
-    for _ in 0..o.lookups {
-        let c = &d.seqs[rng.below(d.seqs.len())];
-        let r = rs.time(|| radix.find_matches(c));
-        std::hint::black_box(r);
-    }
-    let (radix50, radix99) = (rs.pct(50.0), rs.pct(99.0));
-    drop(radix);
+    let (radix_store_rate, radix50, radix99) = radix_shape(o, &d, o.pods);
     println!(
         "  baselines: naive per-pod scan p50 {naive50} ns; radix tree p50 {radix50} ns p99 {radix99} ns, store {:.2} M blocks/s",
         radix_store_rate / 1e6
@@ -211,7 +242,8 @@ pub fn run(o: &Opts) -> serde_json::Value {
     // Concurrency: one reader, one writer at full speed (2 cores).
     let (conc99, conc_rate) = concurrent(&ix, &hs, &d, Duration::from_millis(1500));
     println!(
-        "  concurrent: lookup p99 {conc99} ns while the writer sustains {:.2} M block ops/s",
+        "  concurrent: lookup p99 {conc99} ns ({:.2}x idle) while the writer sustains {:.2} M block ops/s",
+        conc99 as f64 / hit99.max(1) as f64,
         conc_rate / 1e6
     );
 
@@ -240,10 +272,12 @@ pub fn run(o: &Opts) -> serde_json::Value {
     let (ix256, _, _) = build(o, &d, 256);
     let st = ix256.stats();
     let bpb256 = st.heap_bytes as f64 / st.entries as f64;
+    settle(&ix256, &d);
     let mut h256 = full_lookups(&ix256, &d, o.lookups, 1);
     let (h256_50, h256_99) = (h256.pct(50.0), h256.pct(99.0));
-    println!("  256 pods: {bpb256:.1} bytes/block, lookup hit p50 {h256_50} ns p99 {h256_99} ns");
     drop(ix256);
+    let (_, r256_50, r256_99) = radix_shape(o, &d, 256);
+    println!("  256 pods: {bpb256:.1} bytes/block, lookup hit p50 {h256_50} ns p99 {h256_99} ns; radix p50 {r256_50} ns p99 {r256_99} ns");
 
     // Two-phase removal of a pod holding 1M blocks, with lookups running.
     let (flip, cleanup_ms, base99, during99, cleared) = removal(o, &d);
@@ -252,16 +286,20 @@ pub fn run(o: &Opts) -> serde_json::Value {
     );
 
     let hashers = hasher_table(o.blocks, o.lookups);
-    let dyn_shape = dynamo_shape(o, &d);
+    let dyn_shape = dynamo_shape(o, &d, o.pods.max(15));
+    let dyn256 = dynamo_shape(o, &d, 256);
 
     json!({
         "blocks": o.blocks, "depth": o.depth, "pods": o.pods,
         "lookup_hit_p50_ns": hit50, "lookup_hit_p99_ns": hit99, "lookup_miss_p50_ns": miss50,
         "lookup_hit_p50_ns_256": h256_50, "lookup_hit_p99_ns_256": h256_99,
+        "radix_lookup_hit_p50_ns_256": r256_50, "radix_lookup_hit_p99_ns_256": r256_99,
+        "lookup_hit_cold_p50_ns": cold50, "lookup_hit_cold_p99_ns": cold99,
         "naive_lookup_hit_p50_ns": naive50, "radix_lookup_hit_p50_ns": radix50, "radix_lookup_hit_p99_ns": radix99,
         "radix_speedup": radix50 as f64 / hit50.max(1) as f64,
         "store_blocks_per_s": store_rate, "radix_store_blocks_per_s": radix_store_rate, "remove_blocks_per_s": remove_rate,
         "concurrent_lookup_p99_ns": conc99, "concurrent_store_blocks_per_s": conc_rate,
+        "concurrent_vs_idle_p99": conc99 as f64 / hit99.max(1) as f64,
         "bytes_per_block": bpb256, "bytes_per_block_16": bpb16,
         "pod_removal_flip_ns": flip, "pod_removal_cleanup_ms": cleanup_ms,
         "removal_baseline_lookup_p99_ns": base99, "removal_during_lookup_p99_ns": during99,
@@ -269,17 +307,20 @@ pub fn run(o: &Opts) -> serde_json::Value {
         "dynamo_shape_hit_p50_ns": dyn_shape.0, "dynamo_shape_hit_p99_ns": dyn_shape.1,
         "dynamo_shape_miss_p50_ns": dyn_shape.2,
         "dynamo_shape_radix_hit_p50_ns": dyn_shape.3, "dynamo_shape_radix_hit_p99_ns": dyn_shape.4,
+        "dynamo_shape_cold_hit_p50_ns": dyn_shape.5, "dynamo_shape_cold_hit_p99_ns": dyn_shape.6,
+        "dynamo_shape_hit_p50_ns_256": dyn256.0, "dynamo_shape_hit_p99_ns_256": dyn256.1,
+        "dynamo_shape_radix_hit_p50_ns_256": dyn256.3, "dynamo_shape_radix_hit_p99_ns_256": dyn256.4,
     })
 }
 
 /// Dynamo's micro-benchmark shape: for every sequence, 14 pods hold the same 32-block
 /// prefix and one more pod the whole chain (15 holders of the prefix); random full-chain
 /// lookups after the index has settled, beside the radix baseline on the same data.
-/// Returns (hit p50, hit p99, miss p50, radix hit p50, radix hit p99), ns.
-fn dynamo_shape(o: &Opts, d: &Data) -> (u64, u64, u64, u64, u64) {
+/// Returns (hit p50, hit p99, miss p50, radix hit p50, radix hit p99, cold hit p50,
+/// cold hit p99), ns; "cold" is without the depth memo.
+fn dynamo_shape(o: &Opts, d: &Data, pods: usize) -> (u64, u64, u64, u64, u64, u64, u64) {
     const SHARED: usize = 32;
     const HOLDERS: usize = 14;
-    let pods = o.pods.max(HOLDERS + 1);
     let ix = ModelIndex::new(u64::MAX / 2);
     let hs: Vec<PodHandle> = (0..pods)
         .map(|p| {
@@ -298,7 +339,11 @@ fn dynamo_shape(o: &Opts, d: &Data) -> (u64, u64, u64, u64, u64) {
         ix.store(hs[i % pods], Tier::Gpu, s).expect("store");
         radix.store((i % pods) as u16, None, s);
     }
+    settle(&ix, d);
     let mut hit = full_lookups(&ix, d, o.lookups, 7);
+    ix.set_strategy(Strategy::Kary);
+    let mut cold = full_lookups(&ix, d, o.lookups, 7);
+    ix.set_strategy(Strategy::default());
     let mut miss = Samples::with_capacity(o.lookups);
     let mut rng = Rng(98);
     for _ in 0..o.lookups {
@@ -306,6 +351,7 @@ fn dynamo_shape(o: &Opts, d: &Data) -> (u64, u64, u64, u64, u64) {
         let r = miss.time(|| ix.lookup(&c));
         std::hint::black_box(r);
     }
+    radix_settle(&radix, d);
     let mut rs = Samples::with_capacity(o.lookups);
     let mut rng = Rng(7);
     for _ in 0..o.lookups {
@@ -319,16 +365,20 @@ fn dynamo_shape(o: &Opts, d: &Data) -> (u64, u64, u64, u64, u64) {
         miss.pct(50.0),
         rs.pct(50.0),
         rs.pct(99.0),
+        cold.pct(50.0),
+        cold.pct(99.0),
     );
     println!(
-        "  Dynamo's shape (14 pods x {SHARED}-block prefix + 1 x {}): hit p50 {} ns p99 {} ns, miss p50 {} ns; radix hit p50 {} ns p99 {} ns ({:.1}x)",
+        "  Dynamo's shape, {pods} pods (14 x {SHARED}-block prefix + 1 x {}): hit p50 {} ns p99 {} ns, miss p50 {} ns; radix hit p50 {} ns p99 {} ns ({:.1}x); without memo p50 {} ns p99 {} ns",
         o.depth,
         r.0,
         r.1,
         r.2,
         r.3,
         r.4,
-        r.3 as f64 / r.0.max(1) as f64
+        r.3 as f64 / r.0.max(1) as f64,
+        r.5,
+        r.6
     );
     r
 }
