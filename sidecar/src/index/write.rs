@@ -7,6 +7,9 @@ use kvroute_shared::protocol::Tier;
 
 use super::*;
 
+/// How many keys ahead the write path prefetches.
+const PREFETCH_AHEAD: usize = 6;
+
 impl ModelIndex {
     /// Blocks now held on `tier`. Idempotent.
     pub fn store(&self, h: PodHandle, tier: Tier, blocks: &[u64]) -> Result<Applied, IndexError> {
@@ -74,7 +77,12 @@ impl ModelIndex {
             }
             // The pod's block count is settled once per chunk, not per block.
             let (mut added, mut removed) = (0u64, 0u64);
-            for &key in chunk {
+            for (i, &key) in chunk.iter().enumerate() {
+                // Ask for a later key's table lines now, so its cache miss overlaps this
+                // key's work instead of stalling when its turn comes.
+                if let Some(&ahead) = chunk.get(i + PREFETCH_AHEAD) {
+                    self.shard(ahead).read().prefetch(ahead);
+                }
                 let mut shard = self.shard(key).write();
                 match op(&mut shard, &mut tiers, key, h.slot) {
                     Change::Added => {
