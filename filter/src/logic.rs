@@ -150,6 +150,7 @@ pub fn route_request(
             .or_else(|| req.user.as_deref().map(str::to_owned)),
         role: None,
         dry_run: false,
+        explain: false,
     };
     let binary = blocks > cfg.binary_above_blocks;
     let route_body = if binary {

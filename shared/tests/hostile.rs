@@ -79,6 +79,7 @@ proptest! {
             session: None,
             role: None,
             dry_run: false,
+            explain: false,
         };
         let mut bytes = req.encode_binary();
         prop_assert_eq!(RouteRequest::decode_binary(&bytes).ok(), Some(req.clone()));

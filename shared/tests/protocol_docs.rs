@@ -154,6 +154,7 @@ fn binary_route_body_round_trips_and_refuses_garbage() {
         session: None,
         role: None,
         dry_run: false,
+        explain: false,
     };
     let b = r.encode_binary();
     assert!(b.len() < 8_200 + 200);

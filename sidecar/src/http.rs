@@ -47,9 +47,12 @@ pub fn router(api: Api) -> Router {
         .route("/v1/pods/{id}/blocks", get(pod_blocks_h))
         .route("/v1/config", get(get_config_h).put(put_config_h))
         .route("/v1/lookup", get(lookup_get_h).post(lookup_post_h))
+        .route("/v1/status", get(status_h))
+        .route("/v1/decisions", get(decisions_h))
         .route("/metrics", get(metrics_h))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready_h))
+        .merge(crate::ui::router())
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .layer(axum::middleware::from_fn_with_state(api.clone(), auth))
         .with_state(api)
@@ -65,7 +68,8 @@ async fn auth(
         // A lookup tells whether a prompt is cached: what users asked, so it is guarded
         // like the admin API whichever the method.
         let path = req.uri().path();
-        let reveals_prompts = path == "/v1/lookup" || path.ends_with("/blocks");
+        let reveals_prompts = matches!(path, "/v1/lookup" | "/v1/status" | "/v1/decisions")
+            || path.ends_with("/blocks");
         if (changes_state || reveals_prompts) && !bearer_ok(req.headers(), token) {
             return err(
                 StatusCode::UNAUTHORIZED,
@@ -191,24 +195,24 @@ async fn events_h(State(api): State<Api>, body: Bytes) -> Response {
 }
 
 fn pod_json(sc: &Sidecar, p: &crate::pods::Pod, now: std::time::Instant) -> serde_json::Value {
-    let blocks = sc
-        .indexes
-        .get(&p.reg.model)
-        .and_then(|ix| ix.handle(&p.id).map(|h| ix.pod_blocks(h)));
-    let load = p.load_view(sc.ledger().view(&p.id, None, now, &sc.config()), now);
-    json!({
-        "pod": &*p.id, "model": p.reg.model, "role": p.reg.role, "adapters": p.reg.adapters,
-        "labels": p.reg.labels, "capacity_blocks": p.reg.capacity_blocks, "dump_url": p.reg.dump_url,
-        "registered": p.registered, "epoch": p.epoch, "seq": p.last_seq, "stale": p.stale,
-        "events_seen": p.events_seen, "blocks": blocks,
-        "predicted_capacity_blocks": sc.predicted.capacity_of(&p.id),
-        "last_seen_s": now.duration_since(p.last_seen).as_secs_f64(),
-        "breaker_open": p.breaker_open(now),
-        "load": {"pending_prefill_tokens": load.pending_prefill_tokens, "decode_blocks": load.decode_blocks,
-                  "inflight": load.inflight, "queued": load.queued,
-                  "recent_blocks": (load.recent_blocks * 10.0).round() / 10.0,
-                  "engine_kv_usage": p.engine.map(|e| e.kv_usage)},
-    })
+    crate::status::pod(sc, p, now)
+}
+
+/// Everything the status page shows (guarded like lookups: it reveals cache state).
+async fn status_h(State(api): State<Api>) -> Response {
+    Json(crate::status::snapshot(&api.sc)).into_response()
+}
+
+#[derive(serde::Deserialize)]
+struct DecisionsQuery {
+    #[serde(default)]
+    limit: Option<usize>,
+}
+
+/// The last decisions, newest first (guarded like lookups).
+async fn decisions_h(State(api): State<Api>, Query(q): Query<DecisionsQuery>) -> Response {
+    let n = q.limit.unwrap_or(50).min(crate::recent::RECENT);
+    Json(json!({"decisions": api.sc.recent.latest(n)})).into_response()
 }
 
 async fn pods_h(State(api): State<Api>) -> Response {

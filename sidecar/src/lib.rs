@@ -14,6 +14,7 @@
 //! The engine-side bridge (vLLM/SGLang ZMQ events → kvroute batches) is its own crate,
 //! `kvroute-bridge` (`sidecar/bridge/`); `kvroute-sidecar bridge` runs it too.
 
+pub mod agreement;
 pub mod cleaner;
 pub mod hashcli;
 pub mod http;
@@ -25,6 +26,9 @@ pub mod nats;
 pub mod pods;
 pub mod policy;
 pub mod predicted;
+pub mod recent;
 pub mod route;
 pub mod serve;
 pub mod state;
+pub mod status;
+pub mod ui;

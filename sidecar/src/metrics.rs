@@ -44,6 +44,28 @@ impl Labeled {
             .get()
     }
 
+    /// Every label value seen and its count (the status page). The family is read
+    /// through its own exposition, the one read API `prometheus-client` offers.
+    pub fn snapshot(&self) -> Vec<(String, u64)> {
+        let mut r = Registry::default();
+        r.register("x", "", self.family.clone());
+        let mut text = String::new();
+        if encode(&mut text, &r).is_err() {
+            return Vec::new();
+        }
+        let prefix = format!("x_total{{{}=\"", self.label);
+        text.lines()
+            .filter_map(|l| {
+                let rest = l.strip_prefix(&prefix)?;
+                let (value, count) = rest.rsplit_once("\"} ")?;
+                Some((
+                    value.replace("\\\"", "\"").replace("\\\\", "\\"),
+                    count.trim().parse().ok()?,
+                ))
+            })
+            .collect()
+    }
+
     fn forget(&self, value: &str) {
         self.family.remove(&vec![(self.label, value.to_string())]);
     }
@@ -95,6 +117,19 @@ pub struct Metrics {
     pub nats_messages: Counter,
     pub config_version: Gauge,
     pub config_rejected: Counter,
+    /// Reports judged against the index, by model and outcome (`agreement`).
+    cache_agreement: Family<Label, Counter>,
+}
+
+impl Metrics {
+    pub fn agreement(&self, model: &str, outcome: &'static str) {
+        self.cache_agreement
+            .get_or_create(&vec![
+                ("model", model.to_owned()),
+                ("outcome", outcome.to_owned()),
+            ])
+            .inc();
+    }
 }
 
 impl Default for Metrics {
@@ -126,6 +161,7 @@ impl Default for Metrics {
             nats_messages: Counter::default(),
             config_version: Gauge::default(),
             config_rejected: Counter::default(),
+            cache_agreement: Family::default(),
             state: StateGauges {
                 pods: Family::default(),
                 index_entries: Family::default(),
@@ -253,6 +289,11 @@ impl Default for Metrics {
             r.register(name, help, c.clone());
         }
         r.register(
+            "kvroute_cache_agreement",
+            "Reports on decisions made from engine events, by whether the engine's cached_tokens agreed with the index (agree, over: the index expected more, under).",
+            m.cache_agreement.clone(),
+        );
+        r.register(
             "kvroute_event_lag_seconds",
             "Now minus the last batch's ts, per pod.",
             m.event_lag.clone(),
@@ -314,6 +355,13 @@ fn gauge_value(v: u64) -> i64 {
 }
 
 impl Metrics {
+    /// The last event lag recorded for `pod`, if any batch carried a timestamp.
+    pub fn event_lag(&self, pod: &str) -> Option<f64> {
+        let key = vec![("pod", pod.to_string())];
+        // `get` would create the series; only read one that exists.
+        self.event_lag.get(&key).map(|g| g.get())
+    }
+
     /// The event stream of `pod` is this many seconds behind.
     pub fn set_event_lag(&self, pod: &str, seconds: f64) {
         self.event_lag
@@ -358,3 +406,21 @@ impl Metrics {
 
 /// The content type of [`Metrics::render`]'s text.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_labeled_family_reads_back() {
+        let l = Labeled::new("reason");
+        l.inc("no_pod", 2);
+        l.inc("bad \"json\"", 1);
+        let mut s = l.snapshot();
+        s.sort();
+        assert_eq!(
+            s,
+            vec![("bad \"json\"".to_string(), 1), ("no_pod".to_string(), 2)]
+        );
+    }
+}

@@ -75,6 +75,10 @@ pub struct Sidecar {
     pub(crate) nats_configured: AtomicBool,
     pub started: Instant,
     outbox: mpsc::Sender<LoadDelta>,
+    /// The last decisions, for the status page (written by `route::route` only).
+    pub recent: crate::recent::Recent,
+    /// Per model: do engines' cached_tokens agree with the index (written by reports).
+    pub agreement: crate::agreement::Agreement,
 }
 
 /// Why a pod registration was refused. `reason()` is the stable label.
@@ -169,6 +173,8 @@ impl Sidecar {
             nats_configured: AtomicBool::new(false),
             started: Instant::now(),
             outbox,
+            recent: Default::default(),
+            agreement: Default::default(),
         };
         Ok((
             Arc::new(sc),

@@ -157,6 +157,7 @@ pub fn route_req(model: &str, chain: &[u64], block_size: u32) -> RouteRequest {
         session: None,
         role: None,
         dry_run: false,
+        explain: false,
     }
 }
 

@@ -61,6 +61,10 @@ pub struct RouteRequest {
     /// Rank without recording a decision or projecting load (operators' lookups).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub dry_run: bool,
+    /// With `dry_run`: answer with the per-pod cost breakdown even when the policy's
+    /// `explain` switch is off (the status page's "why").
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub explain: bool,
 }
 
 /// One candidate in a route answer.

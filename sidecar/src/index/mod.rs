@@ -272,6 +272,12 @@ impl ModelIndex {
         self.pods[slot as usize].writer.lock().hint(blocks)
     }
 
+    /// How many of a pod's blocks sit on each tier (status page; O(tier exceptions)).
+    pub fn tier_counts(&self, h: PodHandle) -> TierHint {
+        let held = self.pod_blocks(h);
+        self.pods[h.slot as usize].writer.lock().counts(held)
+    }
+
     pub fn stats(&self) -> IndexStats {
         let mut s = IndexStats::default();
         for sh in self.shards.iter() {

@@ -84,6 +84,22 @@ impl Tiers {
         self.map.capacity() * (std::mem::size_of::<(u64, TierSet)>() + 1)
     }
 
+    /// How many of the pod's `held` blocks are on each tier (a block may be on several).
+    pub fn counts(&self, held: u64) -> TierHint {
+        let mut h = TierHint::default();
+        let mut off_gpu = 0u64;
+        for &set in self.map.values() {
+            for t in Tier::ALL {
+                if set & bit(t) != 0 {
+                    h.add(t, 1);
+                }
+            }
+            off_gpu += (set & GPU == 0) as u64;
+        }
+        h.gpu = u32::try_from(held.saturating_sub(off_gpu)).unwrap_or(u32::MAX);
+        h
+    }
+
     /// Count the best tier of each of `blocks` (all held by the pod).
     pub fn hint(&self, blocks: &[u64]) -> TierHint {
         let mut h = TierHint::default();

@@ -60,8 +60,10 @@ pub fn route(sc: &Sidecar, req: &RouteRequest) -> Result<RouteResponse, RouteErr
     let t0 = Instant::now();
     let r = route_with(sc, req, t0, &mut PolicySelector);
     sc.metrics.route_seconds.observe(t0.elapsed().as_secs_f64());
-    if let Err(e) = &r {
-        sc.metrics.route_errors.inc(e.reason(), 1);
+    match &r {
+        Ok(resp) if !req.dry_run => sc.recent.record(req, resp),
+        Ok(_) => {}
+        Err(e) => sc.metrics.route_errors.inc(e.reason(), 1),
     }
     r
 }
@@ -394,7 +396,7 @@ fn answer(
         Some(ix.tier_hint(m.slot, &req.chain, m.depth))
     });
     let explain =
-        cfg.explain.then(|| {
+        (cfg.explain || (req.dry_run && req.explain)).then(|| {
             json!(ranking.order.iter().map(|(i, s, ok)| {
             let c = &cands[*i].0;
             json!({
@@ -471,6 +473,7 @@ mod tests {
             session: None,
             role: None,
             dry_run: false,
+            explain: false,
         }
     }
 
@@ -508,6 +511,7 @@ mod tests {
             session: None,
             role: None,
             dry_run: false,
+            explain: false,
         };
         let first = route(&sc, &req(0)).expect("route");
         assert_eq!(
@@ -629,6 +633,7 @@ mod tests {
                 &sc,
                 &RouteRequest {
                     dry_run: false,
+                    explain: false,
                     ..req.clone()
                 },
             )

@@ -1,12 +1,14 @@
 //! Completion reports: the circuit breaker hears the status, the ledger releases the
-//! decision the report names (once), and predicted residency learns from the engine's
-//! `cached_tokens`.
+//! decision the report names (once), predicted residency learns from the engine's
+//! `cached_tokens`, and decisions made from engine events are checked against it
+//! (`agreement`).
 
 use std::time::Instant;
 
 use kvroute_shared::protocol::CompletionReport;
 use kvroute_shared::Mode;
 
+use crate::agreement::Outcome;
 use crate::ledger::Release;
 use crate::state::Sidecar;
 
@@ -46,6 +48,12 @@ pub fn report_at(sc: &Sidecar, r: &CompletionReport, now: Instant) {
         sc.metrics
             .cached_tokens
             .inc("predicted", d.d.expected_cached);
+        if !d.d.predicted && &**d.cache_pod() == r.pod.as_str() {
+            let bs = cfg.block_size(&d.d.model, Mode::Tokens) as u64;
+            let o = Outcome::of(d.d.expected_cached, c as u64, bs);
+            sc.agreement.record(&d.d.model, o, now);
+            sc.metrics.agreement(&d.d.model, o.label());
+        }
         if d.d.predicted && &**d.cache_pod() == r.pod.as_str() {
             let bs = cfg.block_size(&d.d.model, Mode::Tokens) as u64;
             let mispredicted = (c as u64) + bs < d.d.expected_cached;

@@ -187,6 +187,7 @@ pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
                 session: None,
                 role: None,
                 dry_run: true,
+                explain: false,
             };
             Bytes::from(serde_json::to_vec(&r).unwrap_or_default())
         })
@@ -245,6 +246,7 @@ pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
         session: None,
         role: None,
         dry_run: false,
+        explain: false,
     };
     let long_json = serde_json::to_vec(&long)?;
     let mut dec = Samples::default();

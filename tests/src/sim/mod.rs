@@ -240,6 +240,7 @@ impl Sim<'_> {
             session: r.session.map(|s| s.to_string()),
             role: None,
             dry_run: false,
+            explain: false,
         };
         let now = self.at(t);
         let gw = &mut self.gws[g];
