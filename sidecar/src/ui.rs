@@ -13,7 +13,7 @@ use axum::routing::get;
 use axum::Router;
 
 /// (name, content type, bytes) of every file the page loads.
-pub const ASSETS: [(&str, &str, &[u8]); 5] = [
+pub const ASSETS: [(&str, &str, &[u8]); 6] = [
     (
         "index.html",
         "text/html; charset=utf-8",
@@ -28,6 +28,11 @@ pub const ASSETS: [(&str, &str, &[u8]); 5] = [
         "style.css",
         "text/css; charset=utf-8",
         include_bytes!("../ui/style.css"),
+    ),
+    (
+        "favicon.svg",
+        "image/svg+xml",
+        include_bytes!("../ui/favicon.svg"),
     ),
     (
         "kvroute.js",

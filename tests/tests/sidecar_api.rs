@@ -366,6 +366,40 @@ async fn the_admin_token_guards_state_changes_on_tcp() {
     // Whether a prompt is cached is what users asked: lookups need the token, GET too.
     assert_eq!(api.get("/v1/lookup?model=m&chain=1,2").await.status, 401);
     assert_eq!(authed.get("/v1/lookup?model=m&chain=1,2").await.status, 200);
+    // So do the status page's data; its files hold none and are served to anyone.
+    for path in ["/v1/status", "/v1/decisions"] {
+        assert_eq!(api.get(path).await.status, 401, "{path}");
+        assert_eq!(authed.get(path).await.status, 200, "{path}");
+    }
+    assert_eq!(
+        authed.get("/v1/status").await.json["pods"][0]["pod"],
+        "127.0.0.1:8001"
+    );
+    let page = reqwest::get(format!("http://{}/ui/", _sc.addr))
+        .await
+        .expect("page");
+    assert_eq!(page.status(), 200);
+    let csp = page
+        .headers()
+        .get("content-security-policy")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    assert!(
+        csp.contains("default-src 'none'") && csp.contains("connect-src 'self'"),
+        "{csp}"
+    );
+    assert!(page
+        .text()
+        .await
+        .unwrap_or_default()
+        .contains("Prefix inspector"));
+    for f in ["Cargo.toml", "..%2Fbuild.rs", "%2E%2E%2Fsrc%2Fui.rs"] {
+        let r = reqwest::get(format!("http://{}/ui/{f}", _sc.addr))
+            .await
+            .expect("get");
+        assert_eq!(r.status(), 404, "only the page's own files are served: {f}");
+    }
 }
 
 /// The health listener answers probes on the pod's address and nothing else.

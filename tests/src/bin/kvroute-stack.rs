@@ -161,6 +161,10 @@ async fn up(vllm_events: bool) -> anyhow::Result<()> {
     println!("  gateway (Envoy + kvroute): {e}");
     println!("  plain round-robin Envoy:   {}", stack.plain.url(""));
     println!("  sidecar API:               http://{}", stack.sidecar.addr);
+    println!(
+        "  status page:               http://{}/ui/",
+        stack.sidecar.addr
+    );
     for eng in &stack.engines {
         println!("  engine:                    http://{}", eng.addr);
     }
