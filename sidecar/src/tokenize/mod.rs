@@ -1,0 +1,437 @@
+//! A model's own tokenizer and chat template, so chat and text prompts are chained as the
+//! token ids the engine computes — and match its KV events block for block.
+//!
+//! Semantics are the engine's (vLLM's `/v1/chat/completions` and `/v1/completions`):
+//! - chat: the template rendered with `messages`, `tools`, `add_generation_prompt=True`,
+//!   the special tokens' strings and the request's `chat_template_kwargs`; the text then
+//!   encoded without adding special tokens (the template writes them; they are parsed
+//!   as special tokens, so there is no second BOS);
+//! - completions: the prompt encoded with special tokens added.
+//!
+//! Loading reads a Hugging Face model directory: `tokenizer.json` (the `tokenizers`
+//! library — no hand-written BPE), the chat template from `chat_template.jinja` or
+//! `tokenizer_config.json` (a string, or named templates of which `default` or the
+//! first is used), and the special tokens there.
+//!
+//! Cost proportional to what is new: the tokenizer splits text at its added tokens
+//! before anything else and encodes the pieces between them independently, so a piece's
+//! ids depend only on the piece (and, for some pre-tokenizers, on whether it starts the
+//! text). [`cache::SegmentCache`] keeps the ids of pieces already seen, shared by all
+//! requests: a conversation's next turn encodes only its new messages, a system prompt
+//! is encoded once. A piece not at the start is encoded behind a special token that is
+//! then dropped, so it sees exactly the context it has in the whole text. A tokenizer
+//! whose added tokens strip whitespace or match on normalized text (with a normalizer
+//! that changes text) gets no cache: every request is encoded whole, still exactly.
+
+mod cache;
+pub mod template;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use aho_corasick::{AhoCorasick, MatchKind};
+use serde_json::Value;
+
+pub use cache::{CacheStats, SegmentCache};
+
+/// Why a prompt could not be tokenized; `reason()` is the stable label.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenizeError {
+    /// The model directory could not be loaded.
+    Load(String),
+    /// The model has no chat template.
+    NoTemplate,
+    /// The template failed (including its own `raise_exception`).
+    Template(String),
+    /// A message part the template cannot take as text (image, audio, ...).
+    Multimodal,
+    /// The request body is not a chat/completions body.
+    BadRequest(String),
+    Encode(String),
+}
+
+impl TokenizeError {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            TokenizeError::Load(_) => "tokenizer_load",
+            TokenizeError::NoTemplate => "no_chat_template",
+            TokenizeError::Template(_) => "template_error",
+            TokenizeError::Multimodal => "multimodal",
+            TokenizeError::BadRequest(_) => "bad_request",
+            TokenizeError::Encode(_) => "encode_error",
+        }
+    }
+}
+
+impl std::fmt::Display for TokenizeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TokenizeError::Load(e) => write!(f, "cannot load the tokenizer: {e}"),
+            TokenizeError::NoTemplate => f.write_str("the model directory has no chat template"),
+            TokenizeError::Template(e) => write!(f, "chat template: {e}"),
+            TokenizeError::Multimodal => {
+                f.write_str("the messages have non-text parts; routed by prediction")
+            }
+            TokenizeError::BadRequest(e) => write!(f, "{e}"),
+            TokenizeError::Encode(e) => write!(f, "encoding: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for TokenizeError {}
+
+/// The special tokens' strings a template may print.
+const SPECIAL_NAMES: [&str; 4] = ["bos_token", "eos_token", "unk_token", "pad_token"];
+
+/// How the text is cut at added tokens (None: no cache for this tokenizer).
+struct Splitter {
+    /// Added tokens matched on the raw text, and their ids.
+    raw: AhoCorasick,
+    raw_ids: Vec<u32>,
+    /// Added tokens matched on normalized text (the normalizer leaves text unchanged).
+    normalized: Option<(AhoCorasick, Vec<u32>)>,
+    /// A special token to put in front of a piece that does not start the text.
+    lead: (String, u32),
+}
+
+pub struct ModelTokenizer {
+    dir: PathBuf,
+    tok: tokenizers::Tokenizer,
+    env: Option<minijinja::Environment<'static>>,
+    specials: HashMap<&'static str, String>,
+    splitter: Option<Splitter>,
+    cache: SegmentCache,
+}
+
+/// One piece of text between added tokens.
+enum Piece<'a> {
+    Added(u32),
+    Text { text: &'a str, at_start: bool },
+}
+
+fn token_string(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_owned),
+        _ => None,
+    }
+}
+
+fn load_err(p: &Path, e: impl std::fmt::Display) -> TokenizeError {
+    TokenizeError::Load(format!("{}: {e}", p.display()))
+}
+
+impl ModelTokenizer {
+    /// Load a Hugging Face model directory; `cache_bytes` bounds the segment cache.
+    pub fn load(dir: &Path, cache_bytes: usize) -> Result<ModelTokenizer, TokenizeError> {
+        let tj = dir.join("tokenizer.json");
+        let tok = tokenizers::Tokenizer::from_file(&tj).map_err(|e| load_err(&tj, e))?;
+        let cfg_path = dir.join("tokenizer_config.json");
+        let cfg: Value = match std::fs::read(&cfg_path) {
+            Ok(b) => serde_json::from_slice(&b).map_err(|e| load_err(&cfg_path, e))?,
+            Err(_) => Value::Null,
+        };
+        let jinja = dir.join("chat_template.jinja");
+        let source = match std::fs::read_to_string(&jinja) {
+            Ok(s) => Some(s),
+            Err(_) => match &cfg["chat_template"] {
+                Value::String(s) => Some(s.clone()),
+                Value::Array(named) => named
+                    .iter()
+                    .find(|t| t["name"] == "default")
+                    .or(named.first())
+                    .and_then(|t| t["template"].as_str())
+                    .map(str::to_owned),
+                _ => None,
+            },
+        };
+        let env = source
+            .map(template::environment)
+            .transpose()
+            .map_err(|e| load_err(&jinja, e))?;
+        let specials = SPECIAL_NAMES
+            .iter()
+            .filter_map(|n| token_string(&cfg[*n]).map(|s| (*n, s)))
+            .collect();
+        let splitter = Self::splitter(&tj)?;
+        Ok(ModelTokenizer {
+            dir: dir.to_owned(),
+            tok,
+            env,
+            specials,
+            splitter,
+            cache: SegmentCache::new(cache_bytes),
+        })
+    }
+
+    /// The added tokens as the tokenizer splits on them, when pieces can be encoded
+    /// independently (see the module doc).
+    fn splitter(tj: &Path) -> Result<Option<Splitter>, TokenizeError> {
+        #[derive(serde::Deserialize)]
+        struct Added {
+            id: u32,
+            content: String,
+            #[serde(default)]
+            single_word: bool,
+            #[serde(default)]
+            lstrip: bool,
+            #[serde(default)]
+            rstrip: bool,
+            #[serde(default)]
+            normalized: bool,
+            #[serde(default)]
+            special: bool,
+        }
+        #[derive(serde::Deserialize)]
+        struct File {
+            #[serde(default)]
+            added_tokens: Vec<Added>,
+            #[serde(default)]
+            normalizer: Value,
+        }
+        let f: File = serde_json::from_slice(&std::fs::read(tj).map_err(|e| load_err(tj, e))?)
+            .map_err(|e| load_err(tj, e))?;
+        let trivial_normalizer = match &f.normalizer {
+            Value::Null => true,
+            v => v["type"] == "Sequence" && v["normalizers"].as_array().is_some_and(Vec::is_empty),
+        };
+        if f.added_tokens
+            .iter()
+            .any(|a| a.single_word || a.lstrip || a.rstrip || (a.normalized && !trivial_normalizer))
+        {
+            return Ok(None);
+        }
+        let Some(lead) = f
+            .added_tokens
+            .iter()
+            .find(|a| a.special && !a.normalized && !a.content.is_empty())
+            .map(|a| (a.content.clone(), a.id))
+        else {
+            return Ok(None);
+        };
+        let build = |set: Vec<&Added>| -> Result<(AhoCorasick, Vec<u32>), TokenizeError> {
+            let ac = AhoCorasick::builder()
+                .match_kind(MatchKind::LeftmostLongest)
+                .build(set.iter().map(|a| a.content.as_str()))
+                .map_err(|e| load_err(tj, e))?;
+            Ok((ac, set.iter().map(|a| a.id).collect()))
+        };
+        let (raw, raw_ids) = build(f.added_tokens.iter().filter(|a| !a.normalized).collect())?;
+        let norm: Vec<&Added> = f.added_tokens.iter().filter(|a| a.normalized).collect();
+        let normalized = if norm.is_empty() {
+            None
+        } else {
+            Some(build(norm)?)
+        };
+        Ok(Some(Splitter {
+            raw,
+            raw_ids,
+            normalized,
+            lead,
+        }))
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn has_template(&self) -> bool {
+        self.env.is_some()
+    }
+
+    /// Whether requests share encoded pieces (see the module doc).
+    pub fn caches_segments(&self) -> bool {
+        self.splitter.is_some()
+    }
+
+    pub fn cache_stats(&self) -> CacheStats {
+        self.cache.stats()
+    }
+
+    /// The chat prompt as the engine renders it. `body` is the request body's JSON.
+    pub fn render_chat(&self, body: &Value) -> Result<String, TokenizeError> {
+        let env = self.env.as_ref().ok_or(TokenizeError::NoTemplate)?;
+        let messages = body
+            .get("messages")
+            .and_then(Value::as_array)
+            .ok_or_else(|| TokenizeError::BadRequest("a chat body needs `messages`".into()))?;
+        for m in messages {
+            if let Some(parts) = m.get("content").and_then(Value::as_array) {
+                if parts
+                    .iter()
+                    .any(|p| p.get("type").and_then(Value::as_str) != Some("text"))
+                {
+                    return Err(TokenizeError::Multimodal);
+                }
+            }
+        }
+        let mut ctx = serde_json::Map::new();
+        for (k, v) in &self.specials {
+            ctx.insert((*k).to_owned(), Value::String(v.clone()));
+        }
+        ctx.insert("add_generation_prompt".into(), Value::Bool(true));
+        if let Some(kw) = body.get("chat_template_kwargs").and_then(Value::as_object) {
+            for (k, v) in kw {
+                ctx.insert(k.clone(), v.clone());
+            }
+        }
+        ctx.insert("messages".into(), Value::Array(messages.clone()));
+        ctx.insert(
+            "tools".into(),
+            body.get("tools").cloned().unwrap_or(Value::Null),
+        );
+        if let Some(d) = body.get("documents") {
+            ctx.insert("documents".into(), d.clone());
+        }
+        let t = env
+            .get_template(template::NAME)
+            .map_err(|e| TokenizeError::Template(e.to_string()))?;
+        t.render(Value::Object(ctx))
+            .map_err(|e| TokenizeError::Template(e.to_string()))
+    }
+
+    /// The token ids of a request body: chat (rendered, then encoded without added
+    /// special tokens) or completions (a string prompt, encoded with them).
+    pub fn tokenize_request(&self, chat: bool, body: &Value) -> Result<Vec<u32>, TokenizeError> {
+        if chat {
+            let text = self.render_chat(body)?;
+            self.encode(&text, false)
+        } else {
+            match body.get("prompt") {
+                Some(Value::String(p)) => self.encode(p, true),
+                Some(Value::Array(a)) if a.first().is_some_and(Value::is_string) => {
+                    // A batch goes to one pod: route by its first prompt, as the filter does.
+                    self.encode(a[0].as_str().unwrap_or_default(), true)
+                }
+                _ => Err(TokenizeError::BadRequest(
+                    "a completions body needs a string `prompt`".into(),
+                )),
+            }
+        }
+    }
+
+    /// Encode `text` as the engine does; pieces between added tokens come from the
+    /// cache when they can (chat), the whole text otherwise.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+        match (&self.splitter, add_special_tokens) {
+            (Some(sp), false) => self.encode_pieces(sp, text),
+            _ => self.encode_whole(text, add_special_tokens),
+        }
+    }
+
+    /// The reference: the tokenizer on the whole text, no cache.
+    pub fn encode_whole(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        self.tok
+            .encode_fast(text, add_special_tokens)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TokenizeError::Encode(e.to_string()))
+    }
+
+    fn encode_pieces(&self, sp: &Splitter, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        let mut ids = Vec::with_capacity(text.len() / 3);
+        for piece in split(sp, text) {
+            match piece {
+                Piece::Added(id) => ids.push(id),
+                Piece::Text { text, at_start } => {
+                    let got = self.cache.get_or_try_insert(text, at_start, || {
+                        self.encode_piece(sp, text, at_start)
+                    })?;
+                    ids.extend_from_slice(&got);
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    fn encode_piece(
+        &self,
+        sp: &Splitter,
+        text: &str,
+        at_start: bool,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        if at_start {
+            return self.encode_whole(text, false);
+        }
+        let mut s = String::with_capacity(sp.lead.0.len() + text.len());
+        s.push_str(&sp.lead.0);
+        s.push_str(text);
+        let ids = self.encode_whole(&s, false)?;
+        match ids.split_first() {
+            Some((first, rest)) if *first == sp.lead.1 => Ok(rest.to_vec()),
+            _ => Err(TokenizeError::Encode(format!(
+                "the lead token {:?} did not encode alone",
+                sp.lead.0
+            ))),
+        }
+    }
+}
+
+/// Cut `text` at added tokens as the tokenizer does: first the raw-text tokens
+/// (leftmost-longest), then, inside what is left, the normalized-text ones.
+fn split<'a>(sp: &Splitter, text: &'a str) -> Vec<Piece<'a>> {
+    let mut out = Vec::new();
+    let push_text = |out: &mut Vec<Piece<'a>>, start: usize, end: usize| {
+        if start >= end {
+            return;
+        }
+        let seg = &text[start..end];
+        match &sp.normalized {
+            None => out.push(Piece::Text {
+                text: seg,
+                at_start: start == 0,
+            }),
+            Some((ac, ids)) => {
+                let mut at = start;
+                for m in ac.find_iter(seg) {
+                    if start + m.start() > at {
+                        out.push(Piece::Text {
+                            text: &text[at..start + m.start()],
+                            at_start: at == 0,
+                        });
+                    }
+                    out.push(Piece::Added(ids[m.pattern().as_usize()]));
+                    at = start + m.end();
+                }
+                if at < end {
+                    out.push(Piece::Text {
+                        text: &text[at..end],
+                        at_start: at == 0,
+                    });
+                }
+            }
+        }
+    };
+    let mut at = 0;
+    for m in sp.raw.find_iter(text) {
+        push_text(&mut out, at, m.start());
+        out.push(Piece::Added(sp.raw_ids[m.pattern().as_usize()]));
+        at = m.end();
+    }
+    push_text(&mut out, at, text.len());
+    out
+}
+
+/// Tokenizers by model, loaded at start (`--tokenizer MODEL=DIR`).
+#[derive(Default)]
+pub struct Tokenizers {
+    by_model: HashMap<String, Arc<ModelTokenizer>>,
+}
+
+impl Tokenizers {
+    pub fn insert(&mut self, model: &str, t: ModelTokenizer) {
+        self.by_model.insert(model.to_owned(), Arc::new(t));
+    }
+
+    pub fn get(&self, model: &str) -> Option<&Arc<ModelTokenizer>> {
+        self.by_model.get(model)
+    }
+
+    pub fn models(&self) -> impl Iterator<Item = (&String, &Arc<ModelTokenizer>)> {
+        self.by_model.iter()
+    }
+}

