@@ -17,8 +17,13 @@ pub struct ModelSettings {
     pub block_size: u32,
     /// Bytes per block for text prompts (chained in text mode, predicted residency).
     pub text_block_bytes: u32,
-    /// Route text prompts at all (false: only token-id prompts are steered).
+    /// Route text prompts at all (false: only token-id prompts are steered, unless the
+    /// sidecar tokenizes them).
     pub route_text: bool,
+    /// The sidecar holds this model's tokenizer and chat template (`--tokenizer`): chat
+    /// and text prompts go to it as their messages/tools/prompt, and it chains the
+    /// model's token ids — matching the engines' KV events — instead of canonical text.
+    pub sidecar_tokenizes: bool,
 }
 
 impl Default for ModelSettings {
@@ -27,6 +32,7 @@ impl Default for ModelSettings {
             block_size: 16,
             text_block_bytes: 256,
             route_text: true,
+            sidecar_tokenizes: false,
         }
     }
 }

@@ -395,7 +395,7 @@ impl HttpContext for Http {
                 session: session.as_deref(),
                 tenant: tenant.as_deref(),
             };
-            logic::route_request(&sh.cfg, req, h)
+            logic::route_request(&sh.cfg, req, &body, h)
         });
         let prepared = match prepared {
             Ok(p) => p,

@@ -7,7 +7,7 @@
 //! and a skip always means "continue unsteered" (fail open).
 
 use kvroute_shared::canon::{self, Endpoint};
-use kvroute_shared::protocol::{CompletionReport, RouteRequest, RouteResponse};
+use kvroute_shared::protocol::{CompletionReport, PromptBody, RouteRequest, RouteResponse};
 
 use crate::config::FilterConfig;
 use crate::usage::Usage;
@@ -93,7 +93,7 @@ pub fn prepare(
     h: FromHeaders<'_>,
 ) -> Result<Prepared, Skip> {
     let req = parse(cfg, path, body)?;
-    route_request(cfg, req, h)
+    route_request(cfg, req, body, h)
 }
 
 /// The body as a request, or why it is not routed. Split from [`route_request`] only so
@@ -119,6 +119,7 @@ pub fn parse<'a>(
 pub fn route_request(
     cfg: &FilterConfig,
     mut req: canon::Request<'_>,
+    body: &[u8],
     h: FromHeaders<'_>,
 ) -> Result<Prepared, Skip> {
     if !cfg.tenant_header.is_empty() {
@@ -130,8 +131,18 @@ pub fn route_request(
     let mode = req.prompt.mode();
     let block_size = match mode {
         kvroute_shared::Mode::Tokens => settings.block_size,
-        kvroute_shared::Mode::Text if settings.route_text => settings.text_block_bytes,
+        kvroute_shared::Mode::Text if settings.route_text || settings.sidecar_tokenizes => {
+            settings.text_block_bytes
+        }
         kvroute_shared::Mode::Text => return Err(Skip::TextNotRouted),
+    };
+    // The sidecar tokenizes this model's text: hand it what the template reads (the
+    // text chain still goes along, for when it cannot).
+    let prompt_body = if settings.sidecar_tokenizes && mode == kvroute_shared::Mode::Text {
+        let chat = matches!(req.prompt, canon::Prompt::Chat { .. });
+        Some(PromptBody::extract(chat, &req.cache_salt, body).map_err(|_| Skip::BadJson)?)
+    } else {
+        None
     };
     let chained = req.chain(&cfg.adapters, block_size);
     let prompt_tokens = u32::try_from(req.prompt.approx_tokens()).unwrap_or(u32::MAX);
@@ -151,6 +162,7 @@ pub fn route_request(
         role: None,
         dry_run: false,
         explain: false,
+        prompt_body,
     };
     let binary = blocks > cfg.binary_above_blocks;
     let route_body = if binary {

@@ -80,6 +80,7 @@ proptest! {
             role: None,
             dry_run: false,
             explain: false,
+            prompt_body: None,
         };
         let mut bytes = req.encode_binary();
         prop_assert_eq!(RouteRequest::decode_binary(&bytes).ok(), Some(req.clone()));

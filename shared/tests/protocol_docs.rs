@@ -155,6 +155,7 @@ fn binary_route_body_round_trips_and_refuses_garbage() {
         role: None,
         dry_run: false,
         explain: false,
+        prompt_body: None,
     };
     let b = r.encode_binary();
     assert!(b.len() < 8_200 + 200);

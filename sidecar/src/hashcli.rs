@@ -29,6 +29,55 @@ pub struct HashArgs {
     pub show_canonical: bool,
 }
 
+/// `hash --tokenizer DIR`: a request body (or a text prompt) as the engine tokenizes it,
+/// printed as `{"tokens":[...],"chain":[...]}` — what the gateway's sidecar computes for a
+/// model loaded with `--tokenizer`, to compare with the engine's own.
+pub fn run_tokenized(args: &HashArgs, tokenizer: &std::path::Path) -> anyhow::Result<String> {
+    if args.block_size == 0 {
+        bail!("--block-size must be > 0");
+    }
+    let t = crate::tokenize::ModelTokenizer::load(tokenizer, 0)?;
+    let (tokens, model, salt) = match &args.input {
+        Input::Request { body, path } => {
+            let chat = match Endpoint::from_path(path) {
+                Some(Endpoint::ChatCompletions) => true,
+                Some(Endpoint::Completions) => false,
+                None => bail!("{path:?} is not /v1/completions or /v1/chat/completions"),
+            };
+            let v: serde_json::Value =
+                serde_json::from_slice(body).context("the request body is not JSON")?;
+            let model = v["model"].as_str().unwrap_or_default().to_owned();
+            let salt = v["cache_salt"].as_str().unwrap_or_default().to_owned();
+            (t.tokenize_request(chat, &v)?, model, salt)
+        }
+        Input::Text(s) => (t.encode(s, true)?, String::new(), String::new()),
+        Input::Tokens(_) => bail!("--tokenizer takes --request or --text"),
+    };
+    let model = if args.model.is_empty() {
+        model
+    } else {
+        args.model.clone()
+    };
+    let salt = if args.salt.is_empty() {
+        salt
+    } else {
+        args.salt.clone()
+    };
+    let chain = Namespace {
+        mode: Mode::Tokens,
+        block_size: args.block_size,
+        model: &model,
+        adapter: &args.adapter,
+        cache_salt: &salt,
+    }
+    .chain_tokens(&tokens);
+    Ok(format!(
+        "{}\n",
+        serde_json::json!({"model": model, "cache_salt": salt, "block_size": args.block_size,
+                           "tokens": tokens, "chain": chain})
+    ))
+}
+
 /// Parse `0,1,2` (also spaces, brackets) into token ids.
 pub fn parse_tokens(s: &str) -> anyhow::Result<Vec<u32>> {
     s.split(|c: char| c == ',' || c.is_whitespace() || c == '[' || c == ']')

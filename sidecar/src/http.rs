@@ -134,7 +134,17 @@ async fn route_h(State(api): State<Api>, headers: HeaderMap, body: Bytes) -> Res
             return resp;
         }
     };
-    match route::route(&api.sc, &req) {
+    let answer = if req.prompt_body.is_some() {
+        // Rendering and tokenizing take milliseconds: off the async workers.
+        let sc = api.sc.clone();
+        match tokio::task::spawn_blocking(move || route::route(&sc, &req)).await {
+            Ok(a) => a,
+            Err(e) => return err(StatusCode::INTERNAL_SERVER_ERROR, "internal", e),
+        }
+    } else {
+        route::route(&api.sc, &req)
+    };
+    match answer {
         Ok(resp) => Json(resp).into_response(),
         Err(e) => err(status_of(e.status()), e.reason(), e),
     }

@@ -56,6 +56,14 @@ struct HashCmd {
     /// With --request: print the canonical text form too.
     #[arg(long)]
     show_canonical: bool,
+    /// A model directory (as `serve --tokenizer`): chain the model's token ids of the
+    /// --request body (chat template applied) or --text prompt, printed as JSON
+    /// `{"tokens":[...],"chain":[...]}`.
+    #[arg(long, value_name = "DIR")]
+    tokenizer: Option<PathBuf>,
+    /// Print JSON (implied by --tokenizer).
+    #[arg(long)]
+    json: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -98,7 +106,18 @@ fn main() -> anyhow::Result<()> {
                 input,
                 show_canonical: h.show_canonical,
             };
-            print!("{}", hashcli::run(&args)?);
+            match &h.tokenizer {
+                Some(dir) => print!("{}", hashcli::run_tokenized(&args, dir)?),
+                None if h.json => {
+                    let chain: Vec<u64> = hashcli::run(&args)?
+                        .lines()
+                        .filter(|l| !l.starts_with('#'))
+                        .filter_map(|l| l.parse().ok())
+                        .collect();
+                    println!("{}", serde_json::json!({ "chain": chain }));
+                }
+                None => print!("{}", hashcli::run(&args)?),
+            }
             Ok(())
         }
     }

@@ -117,6 +117,9 @@ pub struct Metrics {
     pub nats_messages: Counter,
     pub config_version: Gauge,
     pub config_rejected: Counter,
+    /// Route requests carrying a prompt body: "tokens" when the sidecar tokenized it,
+    /// else why not (routed by the text chain).
+    pub precise: Labeled,
     /// Reports judged against the index, by model and outcome (`agreement`).
     cache_agreement: Family<Label, Counter>,
 }
@@ -162,6 +165,7 @@ impl Default for Metrics {
             config_version: Gauge::default(),
             config_rejected: Counter::default(),
             cache_agreement: Family::default(),
+            precise: Labeled::new("outcome"),
             state: StateGauges {
                 pods: Family::default(),
                 index_entries: Family::default(),
@@ -218,6 +222,11 @@ impl Default for Metrics {
                 "kvroute_report_decisions",
                 "Completion reports by the decision they named.",
                 &m.report_decisions,
+            ),
+            (
+                "kvroute_precise_prompts",
+                "Route requests with a prompt body: tokenized by the sidecar (tokens), or why they were routed by their text chain.",
+                &m.precise,
             ),
             (
                 "kvroute_replica_deltas",

@@ -52,6 +52,45 @@ pub struct ServeArgs {
     /// Initial policy (the JSON of `GET /v1/config`).
     #[arg(long, env = "KVROUTE_CONFIG")]
     pub config: Option<PathBuf>,
+    /// A model's Hugging Face directory (`tokenizer.json`, `tokenizer_config.json` or
+    /// `chat_template.jinja`): its chat and text prompts are chained as the engine's
+    /// token ids, so they match its KV events. `MODEL=DIR`, repeatable (env: comma-separated).
+    #[arg(
+        long = "tokenizer",
+        env = "KVROUTE_TOKENIZERS",
+        value_delimiter = ',',
+        value_name = "MODEL=DIR"
+    )]
+    pub tokenizers: Vec<String>,
+    /// Bound of each model's cache of encoded text pieces.
+    #[arg(long, env = "KVROUTE_TOKENIZER_CACHE_MB", default_value_t = 256)]
+    pub tokenizer_cache_mb: usize,
+}
+
+/// Load every `MODEL=DIR` tokenizer (a bad directory stops the start: silently routing
+/// by prediction would hide it).
+pub fn load_tokenizers(
+    specs: &[String],
+    cache_mb: usize,
+) -> anyhow::Result<crate::tokenize::Tokenizers> {
+    let mut t = crate::tokenize::Tokenizers::default();
+    for spec in specs {
+        let (model, dir) = spec
+            .split_once('=')
+            .filter(|(m, d)| !m.is_empty() && !d.is_empty())
+            .with_context(|| format!("--tokenizer {spec:?}: expected MODEL=DIR"))?;
+        let mt = crate::tokenize::ModelTokenizer::load(std::path::Path::new(dir), cache_mb << 20)
+            .with_context(|| format!("--tokenizer {spec}"))?;
+        tracing::info!(
+            model,
+            dir,
+            chat_template = mt.has_template(),
+            segment_cache = mt.caches_segments(),
+            "tokenizer loaded"
+        );
+        t.insert(model, mt);
+    }
+    Ok(t)
 }
 
 fn read_json<T: serde::de::DeserializeOwned>(path: &PathBuf, what: &str) -> anyhow::Result<T> {
@@ -69,8 +108,10 @@ pub async fn run(
         Some(p) => read_json(p, "config file")?,
         None => PolicyConfig::default(),
     };
+    let tokenizers = load_tokenizers(&a.tokenizers, a.tokenizer_cache_mb)?;
     let (sc, ch) = Sidecar::with_replica(cfg, a.replica_id.clone())
         .map_err(|errs| anyhow::anyhow!("invalid config:\n  {}", errs.join("\n  ")))?;
+    sc.set_tokenizers(tokenizers);
     if let Some(p) = &a.pods {
         let pods: BTreeMap<String, PodRegistration> = read_json(p, "pods file")?;
         for (id, reg) in pods {

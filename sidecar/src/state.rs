@@ -79,6 +79,8 @@ pub struct Sidecar {
     pub recent: crate::recent::Recent,
     /// Per model: do engines' cached_tokens agree with the index (written by reports).
     pub agreement: crate::agreement::Agreement,
+    /// Tokenizers by model (set at start; read by routes that carry a prompt body).
+    tokenizers: RwLock<Arc<crate::tokenize::Tokenizers>>,
 }
 
 /// Why a pod registration was refused. `reason()` is the stable label.
@@ -175,6 +177,7 @@ impl Sidecar {
             outbox,
             recent: Default::default(),
             agreement: Default::default(),
+            tokenizers: Default::default(),
         };
         Ok((
             Arc::new(sc),
@@ -398,6 +401,14 @@ impl Sidecar {
             .load_released
             .inc(Release::Timeout.label(), gone.len() as u64);
         self.publish(deltas);
+    }
+
+    pub fn set_tokenizers(&self, t: crate::tokenize::Tokenizers) {
+        *self.tokenizers.write() = Arc::new(t);
+    }
+
+    pub fn tokenizers(&self) -> Arc<crate::tokenize::Tokenizers> {
+        self.tokenizers.read().clone()
     }
 
     pub fn gauges(&self) -> Gauges {

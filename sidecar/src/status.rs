@@ -63,10 +63,21 @@ pub fn snapshot(sc: &Sidecar) -> Value {
                    "live_pods": 0, "draining_pods": 0, "evicted": 0})
         });
     }
+    let toks = sc.tokenizers();
+    for (name, _) in toks.models() {
+        models.entry(name.clone()).or_insert_with(|| {
+            json!({"model": name, "index_entries": 0, "index_bytes": 0,
+                   "live_pods": 0, "draining_pods": 0, "evicted": 0})
+        });
+    }
     for (name, v) in models.iter_mut() {
         let mc = cfg.model(name);
         v["block_size"] = json!(mc.block_size);
         v["text_block_bytes"] = json!(mc.text_block_bytes);
+        v["tokenizer"] = toks.get(name).map_or(Value::Null, |t| {
+            json!({"dir": t.dir(), "chat_template": t.has_template(),
+                   "segment_cache": t.caches_segments(), "cache": t.cache_stats()})
+        });
     }
 
     let m = &sc.metrics;
@@ -84,6 +95,7 @@ pub fn snapshot(sc: &Sidecar) -> Value {
             "events_applied": m.events_applied.get(),
             "events_rejected": as_map(m.events_rejected.snapshot()),
             "mispredictions": m.mispredictions.get(),
+            "precise_prompts": as_map(m.precise.snapshot()),
             "inflight": sc.ledger().outstanding(),
         },
         "agreement": sc.agreement.snapshot(),

@@ -158,6 +158,7 @@ pub fn route_req(model: &str, chain: &[u64], block_size: u32) -> RouteRequest {
         role: None,
         dry_run: false,
         explain: false,
+        prompt_body: None,
     }
 }
 

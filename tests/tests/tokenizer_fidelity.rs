@@ -164,3 +164,102 @@ proptest! {
         }
     }
 }
+
+/// A chat request with a prompt body is routed from the engine's events: the sidecar
+/// renders and tokenizes it, chains the token ids in the model's namespace, and finds
+/// the pod whose engine stored those blocks — for the conversation's next turn too
+/// (its history's blocks). A model without a tokenizer keeps its text chain (counted).
+#[test]
+fn chat_bodies_route_by_the_engines_blocks() {
+    use kvroute_shared::protocol::{PodRegistration, PolicyConfig, PromptBody, RouteRequest};
+    use kvroute_shared::Mode;
+    use kvroute_sidecar::ingest::{ingest, IngestLocks};
+    use kvroute_sidecar::route::route;
+    use kvroute_sidecar::state::Sidecar;
+    use kvroute_sidecar::tokenize::Tokenizers;
+
+    let f = fixtures();
+    let (_, dir, _) = f
+        .dirs
+        .iter()
+        .find(|(n, _, _)| n == "trained-chatml")
+        .expect("dir");
+    let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+    let mut toks = Tokenizers::default();
+    toks.insert("m", ModelTokenizer::load(dir, 1 << 20).expect("load"));
+    sc.set_tokenizers(toks);
+    for p in 0..3 {
+        let reg: PodRegistration =
+            serde_json::from_value(serde_json::json!({"model": "m"})).expect("reg");
+        sc.register(&format!("10.0.0.{p}:8000"), reg)
+            .expect("register");
+    }
+    let history = serde_json::json!([
+        {"role": "system", "content": "You are a careful assistant. ".repeat(20)},
+        {"role": "user", "content": "Summarize the design of a KV-cache-aware router in detail."},
+        {"role": "assistant", "content": "It hashes prompt blocks and routes to the pod that holds the longest prefix. ".repeat(5)},
+    ]);
+    // The engine on pod 2 prefilled the conversation so far: its blocks are the chain of
+    // the rendered history's token ids.
+    let t = sc.tokenizers();
+    let mt = t.get("m").expect("tokenizer");
+    let hist_ids = mt
+        .tokenize_request(true, &serde_json::json!({"messages": history}))
+        .expect("tokens");
+    let hist_chain = kvroute_tests::client::token_chain("m", 16, &hist_ids);
+    assert!(hist_chain.len() >= 10, "{} blocks", hist_chain.len());
+    let locks = IngestLocks::default();
+    ingest(
+        &sc,
+        &locks,
+        &kvroute_tests::client::batch(
+            "10.0.0.2:8000",
+            "m",
+            "e1",
+            1,
+            vec![kvroute_tests::client::stored(&hist_chain)],
+        ),
+    )
+    .expect("ingest");
+
+    let mut next = history.as_array().cloned().unwrap_or_default();
+    next.push(serde_json::json!({"role": "user", "content": "And how does it avoid hot spots?"}));
+    let body = serde_json::json!({"model": "m", "messages": next, "max_tokens": 8}).to_string();
+    let req = |model: &str| RouteRequest {
+        model: model.into(),
+        adapter: String::new(),
+        mode: Mode::Text,
+        block_size: 256,
+        chain: vec![1, 2, 3], // the filter's text chain: not what engines hold
+        prompt_tokens: 100,
+        request_id: None,
+        session: None,
+        role: None,
+        dry_run: false,
+        explain: false,
+        prompt_body: Some(PromptBody::extract(true, "", body.as_bytes()).expect("fields")),
+    };
+    let a = route(&sc, &req("m")).expect("route");
+    assert_eq!(a.pod, "10.0.0.2:8000");
+    let matched = a
+        .ranked
+        .iter()
+        .find(|r| r.pod == a.pod)
+        .map(|r| r.matched_blocks);
+    // The generation prompt and the new message follow the history: every history
+    // block but a partial last one is matched.
+    assert!(
+        matched >= Some(hist_chain.len() as u32 - 1),
+        "matched {matched:?} of {}",
+        hist_chain.len()
+    );
+    assert_eq!(sc.metrics.precise.get("tokens"), 1);
+    // No tokenizer for this model: the text chain is used and the miss counted.
+    let (sc2, _ch2) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+    let reg: PodRegistration =
+        serde_json::from_value(serde_json::json!({"model": "other"})).expect("reg");
+    sc2.register("10.0.0.9:8000", reg).expect("register");
+    let b = route(&sc2, &req("other")).expect("route");
+    assert_eq!(b.pod, "10.0.0.9:8000");
+    assert_eq!(sc2.metrics.precise.get("no_tokenizer"), 1);
+}

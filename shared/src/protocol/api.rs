@@ -65,6 +65,80 @@ pub struct RouteRequest {
     /// `explain` switch is off (the status page's "why").
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub explain: bool,
+    /// For models whose prompts the sidecar tokenizes: what the chat template or the
+    /// tokenizer reads. The sidecar then chains the model's token ids; the `chain` above
+    /// (text mode) is used only when it cannot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_body: Option<PromptBody>,
+}
+
+/// The parts of an OpenAI request body a chat template (or, for completions, the
+/// tokenizer) reads, as the client sent them: `messages`, `tools`,
+/// `chat_template_kwargs`, `documents`, or `prompt`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PromptBody {
+    /// `/v1/chat/completions` (else `/v1/completions`).
+    pub chat: bool,
+    /// The namespace's salt as the gateway resolved it (the tenant's, or the body's).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub cache_salt: String,
+    /// A JSON object holding those fields.
+    pub fields: Box<serde_json::value::RawValue>,
+}
+
+impl PartialEq for PromptBody {
+    fn eq(&self, o: &PromptBody) -> bool {
+        self.chat == o.chat
+            && self.cache_salt == o.cache_salt
+            && self.fields.get() == o.fields.get()
+    }
+}
+
+impl PromptBody {
+    /// The fields of `body` a template or tokenizer reads, copied as sent (no re-encoding).
+    pub fn extract(chat: bool, cache_salt: &str, body: &[u8]) -> Result<PromptBody, String> {
+        #[derive(Deserialize)]
+        struct Fields<'a> {
+            #[serde(borrow, default)]
+            messages: Option<&'a serde_json::value::RawValue>,
+            #[serde(borrow, default)]
+            tools: Option<&'a serde_json::value::RawValue>,
+            #[serde(borrow, default)]
+            chat_template_kwargs: Option<&'a serde_json::value::RawValue>,
+            #[serde(borrow, default)]
+            documents: Option<&'a serde_json::value::RawValue>,
+            #[serde(borrow, default)]
+            prompt: Option<&'a serde_json::value::RawValue>,
+        }
+        let f: Fields<'_> = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+        let mut out = String::with_capacity(body.len().min(1 << 20) + 16);
+        out.push('{');
+        let parts = [
+            ("messages", f.messages),
+            ("tools", f.tools),
+            ("chat_template_kwargs", f.chat_template_kwargs),
+            ("documents", f.documents),
+            ("prompt", f.prompt),
+        ];
+        for (name, v) in parts {
+            if let Some(v) = v {
+                if out.len() > 1 {
+                    out.push(',');
+                }
+                out.push('"');
+                out.push_str(name);
+                out.push_str("\":");
+                out.push_str(v.get());
+            }
+        }
+        out.push('}');
+        let fields = serde_json::value::RawValue::from_string(out).map_err(|e| e.to_string())?;
+        Ok(PromptBody {
+            chat,
+            cache_salt: cache_salt.to_owned(),
+            fields,
+        })
+    }
 }
 
 /// One candidate in a route answer.

@@ -9,6 +9,7 @@
 //! ([`route_with`]).
 
 mod error;
+pub mod precise;
 mod report;
 
 use std::sync::Arc;
@@ -58,6 +59,8 @@ impl Selector for PolicySelector {
 
 pub fn route(sc: &Sidecar, req: &RouteRequest) -> Result<RouteResponse, RouteError> {
     let t0 = Instant::now();
+    let tokenized = precise::precise(sc, req);
+    let req = tokenized.as_ref().unwrap_or(req);
     let r = route_with(sc, req, t0, &mut PolicySelector);
     sc.metrics.route_seconds.observe(t0.elapsed().as_secs_f64());
     match &r {
@@ -474,6 +477,7 @@ mod tests {
             role: None,
             dry_run: false,
             explain: false,
+            prompt_body: None,
         }
     }
 
@@ -512,6 +516,7 @@ mod tests {
             role: None,
             dry_run: false,
             explain: false,
+            prompt_body: None,
         };
         let first = route(&sc, &req(0)).expect("route");
         assert_eq!(
@@ -634,6 +639,7 @@ mod tests {
                 &RouteRequest {
                     dry_run: false,
                     explain: false,
+                    prompt_body: None,
                     ..req.clone()
                 },
             )

@@ -251,63 +251,101 @@ impl ModelTokenizer {
 
     /// The chat prompt as the engine renders it. `body` is the request body's JSON.
     pub fn render_chat(&self, body: &Value) -> Result<String, TokenizeError> {
+        self.render_chat_value(&minijinja::Value::from_serialize(body))
+    }
+
+    fn render_chat_value(&self, body: &minijinja::Value) -> Result<String, TokenizeError> {
+        use minijinja::value::ValueKind;
         let env = self.env.as_ref().ok_or(TokenizeError::NoTemplate)?;
+        let bad = |m: &str| TokenizeError::BadRequest(m.to_owned());
         let messages = body
-            .get("messages")
-            .and_then(Value::as_array)
-            .ok_or_else(|| TokenizeError::BadRequest("a chat body needs `messages`".into()))?;
-        for m in messages {
-            if let Some(parts) = m.get("content").and_then(Value::as_array) {
-                if parts
-                    .iter()
-                    .any(|p| p.get("type").and_then(Value::as_str) != Some("text"))
-                {
-                    return Err(TokenizeError::Multimodal);
+            .get_attr("messages")
+            .ok()
+            .filter(|m| m.kind() == ValueKind::Seq)
+            .ok_or_else(|| bad("a chat body needs `messages`"))?;
+        for m in messages.try_iter().map_err(|e| bad(&e.to_string()))? {
+            let content = m.get_attr("content").unwrap_or_default();
+            if content.kind() == ValueKind::Seq {
+                for part in content.try_iter().map_err(|e| bad(&e.to_string()))? {
+                    if part.get_attr("type").ok().as_ref().and_then(|t| t.as_str()) != Some("text")
+                    {
+                        return Err(TokenizeError::Multimodal);
+                    }
                 }
             }
         }
-        let mut ctx = serde_json::Map::new();
-        for (k, v) in &self.specials {
-            ctx.insert((*k).to_owned(), Value::String(v.clone()));
-        }
-        ctx.insert("add_generation_prompt".into(), Value::Bool(true));
-        if let Some(kw) = body.get("chat_template_kwargs").and_then(Value::as_object) {
-            for (k, v) in kw {
-                ctx.insert(k.clone(), v.clone());
+        let mut ctx: std::collections::BTreeMap<String, minijinja::Value> = self
+            .specials
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), minijinja::Value::from(v.as_str())))
+            .collect();
+        ctx.insert("add_generation_prompt".into(), minijinja::Value::from(true));
+        if let Ok(kw) = body.get_attr("chat_template_kwargs") {
+            if kw.kind() == ValueKind::Map {
+                for k in kw.try_iter().map_err(|e| bad(&e.to_string()))? {
+                    if let (Some(name), Ok(v)) = (k.as_str(), kw.get_item(&k)) {
+                        ctx.insert(name.to_owned(), v);
+                    }
+                }
             }
         }
-        ctx.insert("messages".into(), Value::Array(messages.clone()));
+        ctx.insert("messages".into(), messages);
+        let tools = body.get_attr("tools").unwrap_or_default();
         ctx.insert(
             "tools".into(),
-            body.get("tools").cloned().unwrap_or(Value::Null),
+            if tools.is_undefined() {
+                minijinja::Value::from(())
+            } else {
+                tools
+            },
         );
-        if let Some(d) = body.get("documents") {
-            ctx.insert("documents".into(), d.clone());
+        if let Ok(d) = body.get_attr("documents") {
+            if !d.is_undefined() {
+                ctx.insert("documents".into(), d);
+            }
         }
         let t = env
             .get_template(template::NAME)
             .map_err(|e| TokenizeError::Template(e.to_string()))?;
-        t.render(Value::Object(ctx))
+        t.render(ctx)
             .map_err(|e| TokenizeError::Template(e.to_string()))
     }
 
     /// The token ids of a request body: chat (rendered, then encoded without added
     /// special tokens) or completions (a string prompt, encoded with them).
     pub fn tokenize_request(&self, chat: bool, body: &Value) -> Result<Vec<u32>, TokenizeError> {
+        self.tokenize_value(chat, &minijinja::Value::from_serialize(body))
+    }
+
+    /// [`ModelTokenizer::tokenize_request`] of a body given as JSON text (the route
+    /// path: parsed once, straight into the template's values).
+    pub fn tokenize_json(&self, chat: bool, json: &str) -> Result<Vec<u32>, TokenizeError> {
+        let v: minijinja::Value = serde_json::from_str(json)
+            .map_err(|e| TokenizeError::BadRequest(format!("prompt body: {e}")))?;
+        self.tokenize_value(chat, &v)
+    }
+
+    fn tokenize_value(
+        &self,
+        chat: bool,
+        body: &minijinja::Value,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        use minijinja::value::ValueKind;
         if chat {
-            let text = self.render_chat(body)?;
-            self.encode(&text, false)
-        } else {
-            match body.get("prompt") {
-                Some(Value::String(p)) => self.encode(p, true),
-                Some(Value::Array(a)) if a.first().is_some_and(Value::is_string) => {
-                    // A batch goes to one pod: route by its first prompt, as the filter does.
-                    self.encode(a[0].as_str().unwrap_or_default(), true)
-                }
-                _ => Err(TokenizeError::BadRequest(
-                    "a completions body needs a string `prompt`".into(),
-                )),
-            }
+            let text = self.render_chat_value(body)?;
+            return self.encode(&text, false);
+        }
+        let prompt = body.get_attr("prompt").unwrap_or_default();
+        let first = match prompt.kind() {
+            // A batch goes to one pod: route by its first prompt, as the filter does.
+            ValueKind::Seq => prompt.get_item_by_index(0).unwrap_or_default(),
+            _ => prompt,
+        };
+        match first.as_str() {
+            Some(p) => self.encode(p, true),
+            None => Err(TokenizeError::BadRequest(
+                "a completions body needs a string `prompt`".into(),
+            )),
         }
     }
 

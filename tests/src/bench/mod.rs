@@ -5,6 +5,7 @@
 pub mod filter;
 pub mod index;
 pub mod route;
+pub mod tokenize;
 pub mod trace;
 
 use std::time::Instant;

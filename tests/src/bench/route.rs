@@ -188,6 +188,7 @@ pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
                 role: None,
                 dry_run: true,
                 explain: false,
+                prompt_body: None,
             };
             Bytes::from(serde_json::to_vec(&r).unwrap_or_default())
         })
@@ -247,6 +248,7 @@ pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
         role: None,
         dry_run: false,
         explain: false,
+        prompt_body: None,
     };
     let long_json = serde_json::to_vec(&long)?;
     let mut dec = Samples::default();

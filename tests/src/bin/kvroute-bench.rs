@@ -35,6 +35,14 @@ enum Cmd {
         #[arg(long, default_value_t = 1000)]
         requests: usize,
     },
+    /// What precise chat routing costs: render + tokenize + chain + route vs the bare encode.
+    Tokenize {
+        /// A Hugging Face model directory (default: the fidelity test's DeepSeek one).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        #[arg(long, default_value_t = 200)]
+        iterations: usize,
+    },
     /// Route decisions per second over the sidecar's Unix socket and TCP.
     Route {
         #[arg(long, default_value_t = 8)]
@@ -103,6 +111,9 @@ enum Cmd {
 
 fn main() -> anyhow::Result<()> {
     let v = match Cli::parse().cmd {
+        Cmd::Tokenize { dir, iterations } => {
+            bench::tokenize::run(&bench::tokenize::Opts { dir, iterations })?
+        }
         Cmd::Index {
             blocks,
             depth,

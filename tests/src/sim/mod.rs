@@ -241,6 +241,7 @@ impl Sim<'_> {
             role: None,
             dry_run: false,
             explain: false,
+            prompt_body: None,
         };
         let now = self.at(t);
         let gw = &mut self.gws[g];

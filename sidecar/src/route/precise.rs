@@ -1,0 +1,62 @@
+//! Chat and text prompts chained as the model's own token ids: a route request that
+//! carries a prompt body (the filter sends one for models configured so) is rendered
+//! and tokenized with the model's tokenizer (`tokenize`) and chained in token mode, in
+//! the namespace the bridge gives the engine's blocks (model, adapter, cache_salt) — so
+//! the lookup meets the engine's KV events block for block. When the sidecar cannot
+//! (no tokenizer for the model, a multimodal message, a template error), the request
+//! keeps its text chain and is routed by predicted residency, as without a body; each
+//! outcome is counted (`kvroute_precise_prompts_total`).
+
+use kvroute_shared::protocol::{PromptBody, RouteRequest};
+use kvroute_shared::{Mode, Namespace};
+
+use crate::state::Sidecar;
+
+/// The request with its token chain, or None (counted) to route it as sent.
+pub fn precise(sc: &Sidecar, req: &RouteRequest) -> Option<RouteRequest> {
+    let body = req.prompt_body.as_ref()?;
+    match tokens_of(sc, req, body) {
+        Ok(r) => {
+            sc.metrics.precise.inc("tokens", 1);
+            Some(r)
+        }
+        Err(reason) => {
+            sc.metrics.precise.inc(reason, 1);
+            None
+        }
+    }
+}
+
+fn tokens_of(
+    sc: &Sidecar,
+    req: &RouteRequest,
+    body: &PromptBody,
+) -> Result<RouteRequest, &'static str> {
+    let toks = sc.tokenizers();
+    let t = toks.get(&req.model).ok_or("no_tokenizer")?;
+    let ids = t
+        .tokenize_json(body.chat, body.fields.get())
+        .map_err(|e| e.reason())?;
+    let block_size = sc.config().block_size(&req.model, Mode::Tokens);
+    let ns = Namespace {
+        mode: Mode::Tokens,
+        block_size,
+        model: &req.model,
+        adapter: &req.adapter,
+        cache_salt: &body.cache_salt,
+    };
+    Ok(RouteRequest {
+        model: req.model.clone(),
+        adapter: req.adapter.clone(),
+        mode: Mode::Tokens,
+        block_size,
+        chain: ns.chain_tokens(&ids),
+        prompt_tokens: u32::try_from(ids.len()).unwrap_or(u32::MAX),
+        request_id: req.request_id.clone(),
+        session: req.session.clone(),
+        role: req.role,
+        dry_run: req.dry_run,
+        explain: req.explain,
+        prompt_body: None,
+    })
+}

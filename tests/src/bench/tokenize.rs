@@ -1,0 +1,271 @@
+//! `kvroute-bench tokenize`: what precise chat routing costs, as ratios to the bare
+//! `tokenizers` encode of the same text measured side by side (the library's own speed is
+//! the floor; these machines differ 2–4× in absolute speed):
+//! - a cold 4 KB single-turn chat: render + tokenize + chain + route, vs the bare encode
+//!   of its text (target ≤ 1.2×);
+//! - the 21st turn of a conversation with ~100 KB of history that adds ~1 KB, vs the bare
+//!   encode of that 1 KB (target ≤ 1.5×) and vs re-encoding the whole conversation
+//!   (target ≥ 20× faster);
+//! - a cold ~128k-token prompt; resident memory per loaded tokenizer and per cached MB;
+//!   in-process route throughput with and without tokenization.
+//!
+//! The model directory defaults to the fidelity test's DeepSeek one (a production
+//! byte-level BPE), created with `tests/tokenizer/make_fixtures.py` when missing.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use kvroute_shared::protocol::{PodRegistration, PolicyConfig, PromptBody, RouteRequest};
+use kvroute_shared::Mode;
+use kvroute_sidecar::route::route;
+use kvroute_sidecar::state::Sidecar;
+use kvroute_sidecar::tokenize::{ModelTokenizer, Tokenizers};
+use serde_json::{json, Value};
+
+use super::{Rng, Samples};
+
+pub struct Opts {
+    pub dir: Option<PathBuf>,
+    pub iterations: usize,
+}
+
+fn rss_kb() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+fn model_dir(o: &Opts) -> anyhow::Result<PathBuf> {
+    if let Some(d) = &o.dir {
+        return Ok(d.clone());
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = root.join("../target/tokenizer-fixtures");
+    let dir = out.join("deepseek-tools");
+    if !dir.join("tokenizer.json").exists() {
+        let st = std::process::Command::new("python3")
+            .arg(root.join("tokenizer/make_fixtures.py"))
+            .arg(&out)
+            .arg("20")
+            .status()?;
+        anyhow::ensure!(
+            st.success(),
+            "make_fixtures.py failed (make tokenizer-deps)"
+        );
+    }
+    Ok(dir)
+}
+
+/// Prose of about `bytes` bytes, distinct per `seed` (mixed English, code, CJK).
+fn prose(rng: &mut Rng, bytes: usize) -> String {
+    const WORDS: [&str; 24] = [
+        "the",
+        "router",
+        "sends",
+        "each",
+        "request",
+        "to",
+        "pod",
+        "that",
+        "holds",
+        "its",
+        "longest",
+        "cached",
+        "prefix,",
+        "weighing",
+        "load.",
+        "fn main() {}",
+        "let x = 42;",
+        "東京",
+        "缓存",
+        "前缀",
+        "🙂",
+        "latency",
+        "prefill",
+        "decode",
+    ];
+    let mut s = String::with_capacity(bytes + 16);
+    while s.len() < bytes {
+        s.push_str(WORDS[rng.below(WORDS.len())]);
+        s.push(if rng.below(12) == 0 { '\n' } else { ' ' });
+    }
+    s
+}
+
+fn sidecar(t: ModelTokenizer) -> std::sync::Arc<Sidecar> {
+    let (sc, ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+    std::mem::forget(ch); // keep its channels open for the process's life
+    let mut toks = Tokenizers::default();
+    toks.insert("m", t);
+    sc.set_tokenizers(toks);
+    for p in 0..8 {
+        let reg: PodRegistration = serde_json::from_value(json!({"model": "m"})).expect("reg");
+        sc.register(&format!("10.0.0.{p}:8000"), reg)
+            .expect("register");
+    }
+    sc
+}
+
+fn chat_req(body: &Value) -> RouteRequest {
+    RouteRequest {
+        model: "m".into(),
+        adapter: String::new(),
+        mode: Mode::Text,
+        block_size: 256,
+        chain: vec![],
+        prompt_tokens: 0,
+        request_id: None,
+        session: None,
+        role: None,
+        dry_run: true,
+        explain: false,
+        prompt_body: Some(
+            PromptBody::extract(true, "", body.to_string().as_bytes()).expect("fields"),
+        ),
+    }
+}
+
+pub fn run(o: &Opts) -> anyhow::Result<Value> {
+    let dir = model_dir(o)?;
+    println!("kvroute-bench tokenize: {}", dir.display());
+    let before = rss_kb();
+    let t = ModelTokenizer::load(&dir, 512 << 20)?;
+    let tokenizer_mb = (rss_kb().saturating_sub(before)) as f64 / 1024.0;
+    // A second instance for the bare encodes, so its work never warms the routed one.
+    let bare = ModelTokenizer::load(&dir, 0)?;
+    let sc = sidecar(t);
+    let toks = sc.tokenizers();
+    let mt = toks.get("m").expect("tokenizer");
+    let n = o.iterations.max(10);
+    let mut rng = Rng(11);
+    // Memory per cached MB, measured first (later steps leave freed memory the
+    // allocator would reuse, hiding the cache's growth).
+    let before = rss_kb();
+    let s0 = mt.cache_stats();
+    for _ in 0..400 {
+        let body = json!({"messages": [{"role": "user", "content": prose(&mut rng, 32 * 1024)}]});
+        let _ = route(&sc, &chat_req(&body));
+    }
+    let s1 = mt.cache_stats();
+    let cached_mb = (s1.bytes - s0.bytes) as f64 / (1 << 20) as f64;
+    let rss_per_cached_mb = (rss_kb().saturating_sub(before)) as f64 / 1024.0 / cached_mb.max(1e-9);
+    println!(
+        "  memory: {tokenizer_mb:.1} MB resident per loaded tokenizer; {rss_per_cached_mb:.2} MB resident per MB the cache accounts ({:.1} MB cached, cap {} MB)",
+        cached_mb,
+        s1.cap_bytes >> 20
+    );
+
+    // 1. Cold 4 KB single-turn chats, each with new content.
+    let (mut cold, mut bare4) = (Samples::default(), Samples::default());
+    for _ in 0..n {
+        let text = prose(&mut rng, 4096);
+        let body = json!({"messages": [{"role": "user", "content": text}]});
+        let req = chat_req(&body);
+        let _ = bare4.time(|| bare.encode_whole(&text, false));
+        let r = cold.time(|| route(&sc, &req));
+        anyhow::ensure!(r.is_ok(), "route: {r:?}");
+    }
+    let (cold50, bare4_50) = (cold.pct(50.0), bare4.pct(50.0));
+    println!(
+        "  cold 4 KB chat: render+tokenize+chain+route p50 {:.0} us; bare encode of its text {:.0} us ({:.2}x)",
+        cold50 as f64 / 1e3,
+        bare4_50 as f64 / 1e3,
+        cold50 as f64 / bare4_50.max(1) as f64
+    );
+
+    // 2. The 21st turn: 20 turns of ~5 KB (100 KB), then a new ~1 KB user message.
+    let mut history = vec![json!({"role": "system", "content": prose(&mut rng, 2000)})];
+    for _ in 0..20 {
+        history.push(json!({"role": "user", "content": prose(&mut rng, 1000)}));
+        history.push(json!({"role": "assistant", "content": prose(&mut rng, 4000)}));
+    }
+    let hist_bytes: usize = history
+        .iter()
+        .map(|m| m["content"].as_str().map_or(0, str::len))
+        .sum();
+    // The history was routed before (turn 20): its pieces are in the cache.
+    route(&sc, &chat_req(&json!({"messages": history})))
+        .map_err(|e| anyhow::anyhow!("route: {e}"))?;
+    let (mut turn, mut bare1, mut whole) =
+        (Samples::default(), Samples::default(), Samples::default());
+    for i in 0..n {
+        let new = prose(&mut rng, 1024);
+        let mut msgs = history.clone();
+        msgs.push(json!({"role": "user", "content": new}));
+        let body = json!({"messages": msgs});
+        let req = chat_req(&body);
+        let _ = bare1.time(|| bare.encode_whole(&new, false));
+        let r = turn.time(|| route(&sc, &req));
+        anyhow::ensure!(r.is_ok(), "route: {r:?}");
+        if i < 20 {
+            let text = mt.render_chat(&body)?;
+            let _ = whole.time(|| bare.encode_whole(&text, false));
+        }
+    }
+    let (turn50, bare1_50, whole50) = (turn.pct(50.0), bare1.pct(50.0), whole.pct(50.0));
+    println!(
+        "  21st turn ({} KB history + 1 KB): p50 {:.0} us; bare encode of the 1 KB {:.0} us ({:.2}x); re-encoding the conversation {:.0} us ({:.0}x slower)",
+        hist_bytes / 1024,
+        turn50 as f64 / 1e3,
+        bare1_50 as f64 / 1e3,
+        turn50 as f64 / bare1_50.max(1) as f64,
+        whole50 as f64 / 1e3,
+        whole50 as f64 / turn50.max(1) as f64
+    );
+
+    // 3. A cold prompt of ~128k tokens (completions: encoded whole, special tokens added).
+    let big = prose(&mut rng, 128 * 1024 * 4);
+    let t0 = Instant::now();
+    let ids = mt.encode(&big, true)?;
+    let big_ms = t0.elapsed().as_secs_f64() * 1e3;
+    println!("  cold {}-token prompt: {big_ms:.0} ms", ids.len());
+
+    // 5. Route throughput, one thread: 21st-turn chat bodies vs token chains.
+    let bodies: Vec<RouteRequest> = (0..50)
+        .map(|_| {
+            let mut msgs = history.clone();
+            msgs.push(json!({"role": "user", "content": prose(&mut rng, 1024)}));
+            chat_req(&json!({"messages": msgs}))
+        })
+        .collect();
+    let t0 = Instant::now();
+    let mut k = 0usize;
+    while t0.elapsed().as_secs_f64() < 1.0 {
+        let _ = route(&sc, &bodies[k % bodies.len()]);
+        k += 1;
+    }
+    let precise_rps = k as f64 / t0.elapsed().as_secs_f64();
+    let chains: Vec<RouteRequest> = bodies
+        .iter()
+        .map(|r| kvroute_sidecar::route::precise::precise(&sc, r).expect("tokenized"))
+        .collect();
+    let t0 = Instant::now();
+    let mut k = 0usize;
+    while t0.elapsed().as_secs_f64() < 1.0 {
+        let _ = route(&sc, &chains[k % chains.len()]);
+        k += 1;
+    }
+    let chain_rps = k as f64 / t0.elapsed().as_secs_f64();
+    println!(
+        "  route throughput (in-process, one thread): {precise_rps:.0}/s with tokenization of 21st turns, {chain_rps:.0}/s for their token chains"
+    );
+    Ok(json!({
+        "dir": dir, "iterations": n,
+        "cold_4k_chat_p50_us": cold50 as f64 / 1e3, "bare_encode_4k_p50_us": bare4_50 as f64 / 1e3,
+        "cold_4k_ratio": cold50 as f64 / bare4_50.max(1) as f64,
+        "turn21_p50_us": turn50 as f64 / 1e3, "bare_encode_1k_p50_us": bare1_50 as f64 / 1e3,
+        "turn21_ratio": turn50 as f64 / bare1_50.max(1) as f64,
+        "reencode_conversation_p50_us": whole50 as f64 / 1e3,
+        "turn21_speedup_vs_reencode": whole50 as f64 / turn50.max(1) as f64,
+        "history_kb": hist_bytes / 1024,
+        "cold_128k_tokens": ids.len(), "cold_128k_ms": big_ms,
+        "tokenizer_rss_mb": tokenizer_mb, "rss_mb_per_cached_mb": rss_per_cached_mb,
+        "precise_routes_per_s": precise_rps, "token_chain_routes_per_s": chain_rps,
+    }))
+}
