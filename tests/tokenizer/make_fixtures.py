@@ -150,8 +150,16 @@ def main():
             use_tools = tools and rng.random() < 0.6
             if use_tools:
                 body["tools"] = TOOLS
-            ids = ids_of(tok.apply_chat_template(msgs, tools=body.get("tools"), tokenize=True,
-                                                 add_generation_prompt=True))
+            if msgs[-1]["role"] == "user" and isinstance(msgs[-1]["content"], str) and msgs[-1]["content"].strip() and rng.random() < 0.1:
+                # vLLM's continue_final_message: the prompt ends inside the last message.
+                msgs.append({"role": "assistant", "content": "Sure, " + text(rng, 1, 8).strip()})
+                body["continue_final_message"] = True
+                body["add_generation_prompt"] = False
+                ids = ids_of(tok.apply_chat_template(msgs, tools=body.get("tools"), tokenize=True,
+                                                     add_generation_prompt=False, continue_final_message=True))
+            else:
+                ids = ids_of(tok.apply_chat_template(msgs, tools=body.get("tools"), tokenize=True,
+                                                     add_generation_prompt=True))
             cases.append({"chat": True, "body": body, "ids": ids})
         for i in range(N // 5):
             prompt = text(rng, 0, 80)

@@ -74,7 +74,8 @@ pub struct RouteRequest {
 
 /// The parts of an OpenAI request body a chat template (or, for completions, the
 /// tokenizer) reads, as the client sent them: `messages`, `tools`,
-/// `chat_template_kwargs`, `documents`, or `prompt`.
+/// `chat_template_kwargs`, `documents`, or `prompt`, and vLLM's switches
+/// `add_generation_prompt`, `continue_final_message`, `add_special_tokens`.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct PromptBody {
     /// `/v1/chat/completions` (else `/v1/completions`).
@@ -109,6 +110,12 @@ impl PromptBody {
             documents: Option<&'a serde_json::value::RawValue>,
             #[serde(borrow, default)]
             prompt: Option<&'a serde_json::value::RawValue>,
+            #[serde(borrow, default)]
+            add_generation_prompt: Option<&'a serde_json::value::RawValue>,
+            #[serde(borrow, default)]
+            continue_final_message: Option<&'a serde_json::value::RawValue>,
+            #[serde(borrow, default)]
+            add_special_tokens: Option<&'a serde_json::value::RawValue>,
         }
         let f: Fields<'_> = serde_json::from_slice(body).map_err(|e| e.to_string())?;
         let mut out = String::with_capacity(body.len().min(1 << 20) + 16);
@@ -119,6 +126,9 @@ impl PromptBody {
             ("chat_template_kwargs", f.chat_template_kwargs),
             ("documents", f.documents),
             ("prompt", f.prompt),
+            ("add_generation_prompt", f.add_generation_prompt),
+            ("continue_final_message", f.continue_final_message),
+            ("add_special_tokens", f.add_special_tokens),
         ];
         for (name, v) in parts {
             if let Some(v) = v {

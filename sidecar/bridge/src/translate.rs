@@ -16,17 +16,19 @@
 //! (engine hashes name content, so they stay true) so later blocks still chain; only
 //! what is resident is reset.
 //!
-//! Blocks kvroute cannot name from tokens — multimodal inputs, a cache salt, prompt
-//! embeddings (`extra_keys`), a block size other than the filter's, a parent never seen
-//! (the bridge started after the engine), a second KV cache group — are skipped and
-//! counted by reason; routing then treats them as misses, never as wrong hits.
+//! A request's `cache_salt` (vLLM puts it in the first block's `extra_keys`) names its
+//! blocks in the salt's namespace, as the filter and sidecar name that request. Blocks
+//! kvroute cannot name from tokens — multimodal inputs, prompt embeddings (other
+//! `extra_keys`), a block size other than the filter's, a parent never seen (the bridge
+//! started after the engine), a second KV cache group — are skipped and counted by
+//! reason; routing then treats them as misses, never as wrong hits.
 
 use std::collections::{BTreeMap, HashMap};
 
 use kvroute_shared::protocol::{Event, EventBatch, Tier, EVENT_VERSION};
 use kvroute_shared::{ChainHasher, Mode, Namespace};
 
-use crate::vllm::{EngineBatch, EngineEvent};
+use crate::vllm::{EngineBatch, EngineEvent, Extra};
 
 /// What the translator knows of one engine block.
 #[derive(Clone, Copy, Debug)]
@@ -236,7 +238,7 @@ impl Translator {
         block_size: u32,
         lora: &Option<String>,
         tier: Tier,
-        extra: &[bool],
+        extra: &[Extra],
         group: Option<i64>,
     ) -> Option<Event> {
         if group.unwrap_or(0) != 0 {
@@ -251,12 +253,19 @@ impl Translator {
             self.skip("partial_blocks", hashes.len());
             return None;
         }
+        // vLLM puts a request's cache_salt in its first block's extra keys (and, through
+        // the chain, it covers every later block): kvroute names such blocks in the salt's
+        // namespace, as the filter and sidecar name that request's prompt.
+        let (salt, salted) = match (parent, extra.first()) {
+            (None, Some(Extra::Strings(k))) if k.len() == 1 => (k[0].as_str(), 1),
+            _ => ("", 0),
+        };
         let ns = Namespace {
             mode: Mode::Tokens,
             block_size,
             model: &self.model,
             adapter: lora.as_deref().unwrap_or(""),
-            cache_salt: "",
+            cache_salt: salt,
         };
         let (mut h, kv_parent) = match parent {
             None => (ChainHasher::new(&ns), None),
@@ -272,8 +281,9 @@ impl Translator {
         // rest of the event descends from it, so none of it can be named either.
         let plain = extra
             .iter()
-            .position(|&x| x)
-            .unwrap_or(hashes.len())
+            .skip(salted)
+            .position(|x| *x != Extra::None)
+            .map_or(hashes.len(), |p| p + salted)
             .min(hashes.len());
         if plain < hashes.len() {
             self.skip("extra_keys", hashes.len() - plain);
@@ -382,7 +392,7 @@ mod tests {
             block_size: BS,
             lora: None,
             tier: Tier::Gpu,
-            extra: vec![false; hashes.len()],
+            extra: vec![Extra::None; hashes.len()],
             group: None,
         }
     }
@@ -457,11 +467,43 @@ mod tests {
             block_size: BS,
             lora: Some("sql".into()),
             tier: Tier::Gpu,
-            extra: vec![false],
+            extra: vec![Extra::None],
             group: None,
         };
         let b = t.on_batch(0, &batch(vec![ev])).expect("a batch");
         assert_eq!(blocks_of(&b), ns("sql").chain_tokens(&toks));
+    }
+
+    /// A salted request's blocks are named in the salt's namespace — what the filter and
+    /// the sidecar compute for that request — including blocks stored later under them.
+    #[test]
+    fn cache_salted_blocks_live_in_the_salts_namespace() {
+        let toks: Vec<u32> = (1..=12).collect();
+        let mut t = Translator::new("p:1", "m", BS, "e");
+        let mut first = stored(&[1, 2], None, &toks[..8]);
+        if let EngineEvent::Stored { extra, .. } = &mut first {
+            extra[0] = Extra::Strings(vec!["tenant-a".into()]);
+        }
+        let b = t.on_batch(0, &batch(vec![first])).expect("a batch");
+        let salted = Namespace {
+            mode: Mode::Tokens,
+            block_size: BS,
+            model: "m",
+            adapter: "",
+            cache_salt: "tenant-a",
+        };
+        assert_eq!(blocks_of(&b), salted.chain_tokens(&toks[..8]));
+        let b = t
+            .on_batch(1, &batch(vec![stored(&[3], Some(2), &toks[8..])]))
+            .expect("a batch");
+        assert_eq!(blocks_of(&b), salted.chain_tokens(&toks)[2..].to_vec());
+        // A salt-looking key on a block that does not start a request is not a salt.
+        let mut later = stored(&[4], Some(3), &toks[..4]);
+        if let EngineEvent::Stored { extra, .. } = &mut later {
+            extra[0] = Extra::Strings(vec!["x".into()]);
+        }
+        assert!(t.on_batch(2, &batch(vec![later])).is_none());
+        assert_eq!(t.stats.skipped.get("extra_keys"), Some(&1));
     }
 
     #[test]
@@ -470,7 +512,7 @@ mod tests {
         let mut t = Translator::new("p:1", "m", BS, "e");
         let mut salted = stored(&[1, 2, 3], None, &toks);
         if let EngineEvent::Stored { extra, .. } = &mut salted {
-            extra[1] = true;
+            extra[1] = Extra::Opaque;
         }
         let mut other_bs = stored(&[9], None, &toks[..8]);
         if let EngineEvent::Stored { block_size, .. } = &mut other_bs {

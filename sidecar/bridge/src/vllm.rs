@@ -20,6 +20,16 @@ pub struct EngineBatch {
     pub dp_rank: Option<i64>,
 }
 
+/// A block's `extra_keys` besides the LoRA name.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Extra {
+    None,
+    /// Only strings: on a request's first block, one string is its `cache_salt`.
+    Strings(Vec<String>),
+    /// Anything else (multimodal feature keys, prompt-embedding hashes).
+    Opaque,
+}
+
 /// One engine event. Hashes are the engine's own, folded to u64 (see [`hash_key`]).
 #[derive(Clone, Debug, PartialEq)]
 pub enum EngineEvent {
@@ -30,10 +40,10 @@ pub enum EngineEvent {
         block_size: u32,
         lora: Option<String>,
         tier: Tier,
-        /// Per block: whether its engine hash covers anything besides the tokens and
-        /// the LoRA name (multimodal inputs, a cache salt, prompt embeddings) — blocks
-        /// kvroute cannot name from token ids alone.
-        extra: Vec<bool>,
+        /// Per block: what its engine hash covers besides the tokens and the LoRA name
+        /// (multimodal inputs, the request's cache salt on its first block, prompt
+        /// embeddings).
+        extra: Vec<Extra>,
         /// KV cache group (hybrid models have several); `None` means the only one.
         group: Option<i64>,
     },
@@ -118,10 +128,10 @@ fn event(v: &Value) -> Result<EngineEvent, String> {
                 .ok_or("block_size is not a positive integer")?;
             let lora = f.get(6).and_then(Value::as_str).map(str::to_owned);
             let extra = match f.get(7) {
-                None | Some(Value::Nil) => vec![false; hashes.len()],
+                None | Some(Value::Nil) => vec![Extra::None; hashes.len()],
                 Some(Value::Array(per_block)) => per_block
                     .iter()
-                    .map(|k| covers_more_than(k, lora.as_deref()))
+                    .map(|k| extra_of(k, lora.as_deref()))
                     .collect(),
                 Some(_) => return Err("extra_keys is not a list".into()),
             };
@@ -167,12 +177,26 @@ fn hash_list(v: Option<&Value>, name: &str) -> Result<Vec<u64>, String> {
         .collect()
 }
 
-/// Does this block's `extra_keys` entry hold anything besides the LoRA name?
-fn covers_more_than(keys: &Value, lora: Option<&str>) -> bool {
+/// What this block's `extra_keys` entry holds besides the LoRA name.
+fn extra_of(keys: &Value, lora: Option<&str>) -> Extra {
     match keys {
-        Value::Nil => false,
-        Value::Array(a) => a.iter().any(|k| k.as_str().is_none() || k.as_str() != lora),
-        _ => true,
+        Value::Nil => Extra::None,
+        Value::Array(a) => {
+            let mut strings = Vec::new();
+            for k in a {
+                match k.as_str() {
+                    Some(s) if Some(s) == lora => {}
+                    Some(s) => strings.push(s.to_owned()),
+                    None => return Extra::Opaque,
+                }
+            }
+            if strings.is_empty() {
+                Extra::None
+            } else {
+                Extra::Strings(strings)
+            }
+        }
+        _ => Extra::Opaque,
     }
 }
 
@@ -328,7 +352,7 @@ pub(crate) mod tests {
                     block_size: 4,
                     lora: None,
                     tier: Tier::Gpu,
-                    extra: vec![false, false],
+                    extra: vec![Extra::None, Extra::None],
                     group: None,
                 },
                 EngineEvent::Removed {
@@ -380,7 +404,7 @@ pub(crate) mod tests {
                 block_size: 4,
                 lora: Some("sql".into()),
                 tier: Tier::Gpu,
-                extra: vec![false, true],
+                extra: vec![Extra::None, Extra::Strings(vec!["salt-or-image".into()])],
                 group: Some(0),
             }]
         );

@@ -279,7 +279,19 @@ impl ModelTokenizer {
             .iter()
             .map(|(k, v)| ((*k).to_owned(), minijinja::Value::from(v.as_str())))
             .collect();
-        ctx.insert("add_generation_prompt".into(), minijinja::Value::from(true));
+        // vLLM's request switches (defaults: generation prompt on, no continuation).
+        let flag = |name: &str, default: bool| {
+            body.get_attr(name)
+                .ok()
+                .filter(|v| !v.is_undefined() && !v.is_none())
+                .map_or(default, |v| v.is_true())
+        };
+        ctx.insert(
+            "add_generation_prompt".into(),
+            minijinja::Value::from(
+                flag("add_generation_prompt", true) && !flag("continue_final_message", false),
+            ),
+        );
         if let Ok(kw) = body.get_attr("chat_template_kwargs") {
             if kw.kind() == ValueKind::Map {
                 for k in kw.try_iter().map_err(|e| bad(&e.to_string()))? {
@@ -289,7 +301,7 @@ impl ModelTokenizer {
                 }
             }
         }
-        ctx.insert("messages".into(), messages);
+        ctx.insert("messages".into(), messages.clone());
         let tools = body.get_attr("tools").unwrap_or_default();
         ctx.insert(
             "tools".into(),
@@ -307,8 +319,13 @@ impl ModelTokenizer {
         let t = env
             .get_template(template::NAME)
             .map_err(|e| TokenizeError::Template(e.to_string()))?;
-        t.render(ctx)
-            .map_err(|e| TokenizeError::Template(e.to_string()))
+        let mut text = t
+            .render(ctx)
+            .map_err(|e| TokenizeError::Template(e.to_string()))?;
+        if flag("continue_final_message", false) {
+            cut_after_final(&mut text, &messages)?;
+        }
+        Ok(text)
     }
 
     /// The token ids of a request body: chat (rendered, then encoded without added
@@ -333,7 +350,11 @@ impl ModelTokenizer {
         use minijinja::value::ValueKind;
         if chat {
             let text = self.render_chat_value(body)?;
-            return self.encode(&text, false);
+            let special = body
+                .get_attr("add_special_tokens")
+                .ok()
+                .is_some_and(|v| v.is_true());
+            return self.encode(&text, special);
         }
         let prompt = body.get_attr("prompt").unwrap_or_default();
         let first = match prompt.kind() {
@@ -407,6 +428,40 @@ impl ModelTokenizer {
             ))),
         }
     }
+}
+
+/// `continue_final_message`: the rendered prompt ends right after the last message's
+/// content (transformers cuts at its last occurrence, trying it as is, then stripped).
+fn cut_after_final(text: &mut String, messages: &minijinja::Value) -> Result<(), TokenizeError> {
+    use minijinja::value::ValueKind;
+    let n = messages.len().unwrap_or(0);
+    let last = messages
+        .get_item_by_index(n.saturating_sub(1))
+        .unwrap_or_default()
+        .get_attr("content")
+        .unwrap_or_default();
+    let content = match last.kind() {
+        ValueKind::Seq => last
+            .get_item_by_index(last.len().unwrap_or(1).saturating_sub(1))
+            .unwrap_or_default()
+            .get_attr("text")
+            .unwrap_or_default(),
+        _ => last,
+    };
+    let Some(c) = content.as_str() else {
+        return Err(TokenizeError::BadRequest(
+            "continue_final_message needs a text final message".into(),
+        ));
+    };
+    for needle in [c, c.trim()] {
+        if let Some(at) = text.rfind(needle) {
+            text.truncate(at + needle.len());
+            return Ok(());
+        }
+    }
+    Err(TokenizeError::Template(
+        "the final message is not in the rendered prompt".into(),
+    ))
 }
 
 /// Cut `text` at added tokens as the tokenizer does: first the raw-text tokens
