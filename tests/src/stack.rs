@@ -111,6 +111,10 @@ pub struct StackOpts {
     /// Engines speak vLLM's event protocol (ZMQ, salted hashes) and a
     /// `kvroute-sidecar bridge` beside each translates it (needs `nats`).
     pub vllm_events: bool,
+    /// A Hugging Face model directory for model "m": the engines tokenize with it, the
+    /// sidecar loads it (`--tokenizer`), and the filter hands chat/text requests over
+    /// (`sidecar_tokenizes`), so chat is routed from the engines' events.
+    pub model_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for StackOpts {
@@ -124,6 +128,7 @@ impl Default for StackOpts {
             sidecar_args: vec![],
             register_dumps: true,
             vllm_events: false,
+            model_dir: None,
         }
     }
 }
@@ -143,7 +148,15 @@ pub struct Stack {
 impl Stack {
     pub async fn start(o: StackOpts) -> anyhow::Result<Stack> {
         let nats = if o.nats { Some(Nats::start()?) } else { None };
+        let mut o = o;
         let mut sargs: Vec<String> = o.sidecar_args.clone();
+        if let Some(d) = &o.model_dir {
+            sargs.push(format!("--tokenizer=m={}", d.display()));
+            o.engine_args
+                .extend(["--model-dir".into(), d.display().to_string()]);
+            let bs = o.filter_config["default_model"]["block_size"].clone();
+            o.filter_config["models"]["m"] = json!({"block_size": bs, "sidecar_tokenizes": true});
+        }
         if let Some(n) = &nats {
             sargs.extend(["--nats".into(), n.url()]);
         }

@@ -83,7 +83,15 @@ impl VllmPublisher {
     /// One admission: evictions, then the newly cached blocks of `chain` (the prompt's
     /// full blocks, `tokens` its ids) as runs of consecutive blocks, each naming the
     /// block before it as its parent.
-    pub fn admitted(&mut self, chain: &[u64], tokens: &[u32], stored: &[u64], removed: &[u64]) {
+    /// `salt`: the request's cache_salt, which vLLM puts in its first block's extra keys.
+    pub fn admitted(
+        &mut self,
+        chain: &[u64],
+        tokens: &[u32],
+        salt: &str,
+        stored: &[u64],
+        removed: &[u64],
+    ) {
         let mut events = Vec::new();
         if !removed.is_empty() {
             events.push(Value::Map(vec![
@@ -130,6 +138,20 @@ impl VllmPublisher {
                 ("block_size".into(), self.block_size.into()),
                 ("medium".into(), "GPU".into()),
                 ("lora_name".into(), Value::Nil),
+                (
+                    "extra_keys".into(),
+                    Value::Array(
+                        (start..i)
+                            .map(|b| {
+                                if b == 0 && !salt.is_empty() {
+                                    Value::Array(vec![salt.into()])
+                                } else {
+                                    Value::Nil
+                                }
+                            })
+                            .collect(),
+                    ),
+                ),
             ]));
         }
         if !events.is_empty() {

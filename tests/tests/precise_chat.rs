@@ -1,0 +1,160 @@
+//! Precise chat routing end to end: the real OpenAI Python client streams multi-turn
+//! chats through Envoy and the filter (`sidecar_tokenizes` for model "m"), the sidecar
+//! tokenizes them with the model's directory (`--tokenizer`), and simulated engines
+//! tokenize with the same directory and publish vLLM's ZMQ events, translated by a
+//! bridge each. Every later turn must land on the pod holding its history **from the
+//! engines' events** (token-mode decisions with matched blocks; the engine reports the
+//! cached tokens), and an engine restart must drop its blocks from the index at once.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use kvroute_shared::protocol::PromptBody;
+use kvroute_tests::stack::{Stack, StackOpts};
+use serde_json::{json, Value};
+
+fn model_dir() -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let out = root.join("../target/tokenizer-fixtures");
+    let dir = out.join("deepseek-tools");
+    if !dir.join("tokenizer_config.json").exists() {
+        let st = Command::new("python3")
+            .arg(root.join("tokenizer/make_fixtures.py"))
+            .arg(&out)
+            .arg("20")
+            .status()
+            .expect("python3");
+        assert!(st.success(), "make_fixtures.py (make tokenizer-deps)");
+    }
+    dir
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chats_follow_the_engines_events() {
+    let dir = model_dir();
+    let stack = Stack::start(StackOpts {
+        engine_args: kvroute_tests::stack::engine_args(4096, 8000, 10, 0.2),
+        vllm_events: true,
+        model_dir: Some(dir.clone()),
+        ..StackOpts::default()
+    })
+    .await
+    .expect("stack");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("e2e/openai_chats.py");
+    let url = stack.envoy.url("");
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("python3")
+            .arg(script)
+            .args([url.as_str(), "4", "4"])
+            .output()
+    })
+    .await
+    .expect("join")
+    .expect("python3");
+    assert!(
+        out.status.success(),
+        "openai client (make tokenizer-deps installs it): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let turns: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    assert_eq!(turns.len(), 16, "{turns:?}");
+    for t in &turns {
+        if t["turn"] == 0 {
+            continue;
+        }
+        let first = turns
+            .iter()
+            .find(|x| x["conv"] == t["conv"] && x["turn"] == 0)
+            .expect("turn 0");
+        assert_eq!(
+            t["pod"], first["pod"],
+            "a later turn stays with its history: {t}"
+        );
+        let (cached, prompt) = (
+            t["cached_tokens"].as_u64().unwrap_or(0),
+            t["prompt_tokens"].as_u64().unwrap_or(0),
+        );
+        assert!(
+            cached * 10 >= prompt * 7,
+            "the engine served the history from its cache: {t}"
+        );
+    }
+    // Every request was tokenized by the sidecar, and later turns were decided from
+    // engine events: token mode, the chosen pod's matched blocks > 0.
+    let metrics = reqwest::get(format!("http://{}/metrics", stack.sidecar.addr))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .unwrap_or_default();
+    assert!(
+        metrics.contains("kvroute_precise_prompts_total{outcome=\"tokens\"} 16"),
+        "{}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("precise"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let decisions = stack.api.get("/v1/decisions?limit=16").await.json;
+    let list = decisions["decisions"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(list.len(), 16);
+    let from_events = list
+        .iter()
+        .filter(|d| {
+            d["mode"] == "tokens"
+                && d["candidates"][0]["pod"] == d["pod"]
+                && d["candidates"][0]["matched_blocks"].as_u64().unwrap_or(0) > 10
+        })
+        .count();
+    assert_eq!(
+        from_events, 12,
+        "every later turn matched its history: {decisions}"
+    );
+    // Agreement: the index's expectation and the engines' cached_tokens agree.
+    let st = stack.api.get("/v1/status").await.json;
+    assert_eq!(
+        st["agreement"][0]["over"], 0,
+        "no decision expected more than the engine had: {}",
+        st["agreement"]
+    );
+
+    // An engine restart: its blocks leave the index at once (new epoch via the bridge).
+    let pod = turns[0]["pod"].as_str().unwrap_or_default().to_string();
+    let history = json!({"messages": [
+        {"role": "system", "content": format!("Conversation 0. {}", "You answer about caches, routers and 東京. ".repeat(30))},
+        {"role": "user", "content": "Question 0 of conversation 0: why do prefixes matter? 🙂"}]});
+    let body = PromptBody::extract(true, "", history.to_string().as_bytes()).expect("fields");
+    let dry = json!({"model": "m", "mode": "text", "block_size": 256, "chain": [],
+                     "dry_run": true, "prompt_body": body});
+    let matched_on = |v: &Value| {
+        v["ranked"]
+            .as_array()
+            .and_then(|r| r.iter().find(|x| x["pod"] == pod.as_str()))
+            .and_then(|x| x["matched_blocks"].as_u64())
+            .unwrap_or(0)
+    };
+    let before = stack.api.post("/v1/route", &dry).await.json;
+    assert!(matched_on(&before) > 10, "{before}");
+    reqwest::Client::new()
+        .post(format!("http://{pod}/admin/restart"))
+        .send()
+        .await
+        .expect("restart");
+    let mut gone = false;
+    for _ in 0..100 {
+        if matched_on(&stack.api.post("/v1/route", &dry).await.json) == 0 {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(gone, "the restarted engine's blocks left the index");
+}
