@@ -48,6 +48,7 @@ pub fn router(api: Api) -> Router {
         .route("/v1/config", get(get_config_h).put(put_config_h))
         .route("/v1/lookup", get(lookup_get_h).post(lookup_post_h))
         .route("/v1/status", get(status_h))
+        .route("/v1/tokenize", post(tokenize_h))
         .route("/v1/decisions", get(decisions_h))
         .route("/metrics", get(metrics_h))
         .route("/healthz", get(|| async { "ok\n" }))
@@ -206,6 +207,49 @@ async fn events_h(State(api): State<Api>, body: Bytes) -> Response {
 
 fn pod_json(sc: &Sidecar, p: &crate::pods::Pod, now: std::time::Instant) -> serde_json::Value {
     crate::status::pod(sc, p, now)
+}
+
+#[derive(serde::Deserialize)]
+struct TokenizeBody {
+    model: String,
+    /// `/v1/chat/completions` or `/v1/completions`.
+    path: String,
+    body: serde_json::Value,
+}
+
+/// A request body as the model's tokenizer sees it (`--tokenizer`): the status page's
+/// inspector chains these ids in the browser, and operators compare them with the
+/// engine's. Guarded like every POST.
+async fn tokenize_h(State(api): State<Api>, body: Bytes) -> Response {
+    let b: TokenizeBody = match parse(&body, "tokenize request") {
+        Ok(b) => b,
+        Err(resp) => return resp,
+    };
+    let chat = match kvroute_shared::canon::Endpoint::from_path(&b.path) {
+        Some(kvroute_shared::canon::Endpoint::ChatCompletions) => true,
+        Some(kvroute_shared::canon::Endpoint::Completions) => false,
+        None => {
+            return err(
+                StatusCode::BAD_REQUEST,
+                "bad_path",
+                format!("{:?} is not a completions path", b.path),
+            )
+        }
+    };
+    let toks = api.sc.tokenizers();
+    let Some(t) = toks.get(&b.model).cloned() else {
+        return err(
+            StatusCode::NOT_FOUND,
+            "no_tokenizer",
+            format!("no tokenizer is loaded for model {:?}", b.model),
+        );
+    };
+    let r = tokio::task::spawn_blocking(move || t.tokenize_request(chat, &b.body)).await;
+    match r {
+        Ok(Ok(ids)) => Json(json!({"model": b.model, "tokens": ids})).into_response(),
+        Ok(Err(e)) => err(StatusCode::UNPROCESSABLE_ENTITY, e.reason(), e),
+        Err(e) => err(StatusCode::INTERNAL_SERVER_ERROR, "internal", e),
+    }
 }
 
 /// Everything the status page shows (guarded like lookups: it reveals cache state).

@@ -173,9 +173,19 @@ async function inspect(ev) {
       const m = modelConfig($("i-model").value.trim() || model);
       const r = k.chainRequest(path, raw, m.block_size, m.text_block_bytes, $("i-adapters").value);
       c = { mode: r.mode, model: r.model, adapter: r.adapter, blockSize: r.blockSize, units: r.units, chain: r.chain };
+      const tm = (status?.models || []).find((x) => x.model === r.model);
+      if (r.mode === "text" && tm?.tokenizer) {
+        // The sidecar tokenizes this model's prompts (chat template + tokenizer): ask it
+        // for the ids, and chain them here, as the gateway routes them.
+        const t = await api("/v1/tokenize", { method: "POST", headers: { "content-type": "application/json" },
+          body: `{"model":${JSON.stringify(r.model)},"path":${JSON.stringify(path)},"body":${raw}}` });
+        const ids = Uint32Array.from(t.tokens);
+        c = { mode: "tokens", model: r.model, adapter: r.adapter, blockSize: tm.block_size, units: ids.length,
+              chain: k.chainTokens(ids, r.model, r.adapter, r.cacheSalt, tm.block_size), tokenized: true };
+      }
     }
     $("inspector-summary").textContent =
-      `${c.mode} mode · model ${c.model}${c.adapter ? ` · adapter ${c.adapter}` : ""} · ${c.units} ${c.mode === "tokens" ? "tokens" : "canonical bytes"} · ${c.chain.length} full blocks of ${c.blockSize}`;
+      `${c.mode} mode${c.tokenized ? " (tokenized by the sidecar with the model's tokenizer and chat template)" : ""} · model ${c.model}${c.adapter ? ` · adapter ${c.adapter}` : ""} · ${c.units} ${c.mode === "tokens" ? "tokens" : "canonical bytes"} · ${c.chain.length} full blocks of ${c.blockSize}`;
     const body = `{"model":${JSON.stringify(c.model)},"chain":[${c.chain.join(",")}]}`;
     const look = await api("/v1/lookup", { method: "POST", headers: { "content-type": "application/json" }, body });
     let route = null;

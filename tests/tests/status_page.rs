@@ -37,8 +37,21 @@ async fn the_status_page_shows_what_the_api_reports() {
         root.join("ui/node_modules/playwright-core").exists(),
         "run `make ui-deps` first (installs chromium and playwright-core)"
     );
+    // The model's own tokenizer and template (engines and sidecar), so chats are
+    // routed from engine events and the inspector asks the sidecar for their tokens.
+    let dir = root.join("../target/tokenizer-fixtures/deepseek-tools");
+    if !dir.join("tokenizer_config.json").exists() {
+        let st = Command::new("python3")
+            .arg(root.join("tokenizer/make_fixtures.py"))
+            .arg(root.join("../target/tokenizer-fixtures"))
+            .arg("0")
+            .status()
+            .expect("python3");
+        assert!(st.success(), "make_fixtures.py (make tokenizer-deps)");
+    }
     let stack = Stack::start(StackOpts {
         engine_args: kvroute_tests::stack::engine_args(1536, 8000, 10, 0.5),
+        model_dir: Some(dir),
         ..StackOpts::default()
     })
     .await
@@ -47,12 +60,41 @@ async fn the_status_page_shows_what_the_api_reports() {
     // Traffic: chats (routed by prediction) and token prompts with shared prefixes
     // (routed from engine events, so their reports are judged for agreement).
     let chat = stack.envoy.url("/v1/chat/completions");
+    let mut chat_pods = Vec::new();
     for i in 0..8 {
         let body = json!({"model": "m", "max_tokens": 2, "messages": [
             {"role": "system", "content": format!("You are assistant {}. {}", i % 2, "Be brief. ".repeat(40))},
             {"role": "user", "content": format!("question {i}")}]});
-        post(&chat, &body).await;
+        chat_pods.push(post(&chat, &body).await);
     }
+    // A chat nobody else sent: one pod holds its tokens' blocks.
+    let lone = json!({"model": "m", "messages": [
+        {"role": "system", "content": "You only ever discuss lighthouses. ".repeat(30)},
+        {"role": "user", "content": "Which lighthouse is the oldest?"}]});
+    let lone_pod = post(
+        &chat,
+        &json!({"model": "m", "max_tokens": 2, "messages": lone["messages"]}),
+    )
+    .await;
+    let toks = stack
+        .api
+        .post(
+            "/v1/tokenize",
+            &json!({"model": "m", "path": "/v1/chat/completions", "body": lone}),
+        )
+        .await
+        .json;
+    let ids: Vec<u32> = toks["tokens"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|t| t.as_u64())
+                .map(|t| t as u32)
+                .collect()
+        })
+        .unwrap_or_default();
+    let lone_chain = kvroute_tests::client::token_chain("m", 16, &ids);
+    assert!(lone_chain.len() > 10, "{toks}");
     let comp = stack.envoy.url("/v1/completions");
     let shared: Vec<u32> = (0..320).map(|i| (i * 7919) % 50_000).collect();
     for i in 0..10u32 {
@@ -100,11 +142,31 @@ async fn the_status_page_shows_what_the_api_reports() {
             .to_string_lossy()
             .into_owned()
     });
-    let expect = json!({"inspect": {
+    let lq = lone_chain
+        .iter()
+        .map(u64::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let lone_depth = stack
+        .api
+        .get(&format!("/v1/lookup?model=m&chain={lq}"))
+        .await
+        .json["confirmed"][0]["matched_blocks"]
+        .as_u64()
+        .unwrap_or(0);
+    assert_eq!(
+        lone_depth,
+        lone_chain.len() as u64,
+        "the engine stored the lone chat"
+    );
+    let expect = json!({"inspect": [{
         "path": "/v1/completions", "model": "",
         "body": json!({"model": "m", "prompt": unique}).to_string(),
         "pod": holder, "depth": chain.len(),
-    }});
+    }, {
+        "path": "/v1/chat/completions", "model": "", "tokenized": true,
+        "body": lone.to_string(), "pod": lone_pod, "depth": lone_depth,
+    }]});
     let out = tokio::task::spawn_blocking(move || {
         Command::new("node")
             .arg(&driver)
@@ -138,5 +200,7 @@ async fn the_status_page_shows_what_the_api_reports() {
         bytes < 1 << 20,
         "the page weighs {bytes} bytes (target < 1 MB)"
     );
-    assert_eq!(summary["inspector"]["pod"], json!(holder));
+    assert_eq!(summary["inspector"][0]["pod"], json!(holder));
+    assert_eq!(summary["inspector"][1]["pod"], json!(lone_pod));
+    let _ = chat_pods;
 }

@@ -84,12 +84,15 @@ try {
     assert.ok(s.pod.startsWith(d.pod), `decision ${d.decision}: ${s.pod} vs ${d.pod}`);
   }
 
-  // The prefix inspector, on a prompt one pod holds.
-  const ins = expect.inspect;
-  if (ins) {
+  // The prefix inspector, on prompts one pod holds (token ids, and a chat the sidecar
+  // tokenizes with the model's tokenizer and template).
+  const inspections = [].concat(expect.inspect || []);
+  summary.inspector = [];
+  for (const ins of inspections) {
     await page.selectOption("#i-path", ins.path);
     await page.fill("#i-model", ins.model || "");
     await page.fill("#i-body", ins.body);
+    await page.evaluate(() => { document.querySelector("#inspector-out").hidden = true; });
     await page.click("#inspector button[type=submit]");
     await page.waitForSelector("#inspector-out:not([hidden]), #inspector-error:not([hidden])", { timeout: 15000 });
     const err = await page.$eval("#inspector-error", (e) => (e.hidden ? "" : e.textContent));
@@ -100,7 +103,9 @@ try {
     assert.equal(await page.$eval("#inspector-chosen", (e) => e.textContent), ins.pod, "would route to");
     const explained = await page.$$eval("#inspector-explain tbody tr", (trs) => trs.length);
     assert.ok(explained >= 2, "the dry run explains every candidate");
-    summary.inspector = { pod: ins.pod, depth: ins.depth, candidates: bars.length };
+    const text = await page.$eval("#inspector-summary", (e) => e.textContent);
+    if (ins.tokenized) assert.ok(text.includes("tokenized by the sidecar"), text);
+    summary.inspector.push({ path: ins.path, pod: ins.pod, depth: ins.depth, candidates: bars.length });
   }
 
   assert.deepEqual(offsite, [], "the page reached nothing but the sidecar");
