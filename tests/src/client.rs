@@ -201,3 +201,23 @@ pub fn chain(model: &str, seed: u32, n: usize, block_size: u32) -> Vec<u64> {
         .collect();
     token_chain(model, block_size, &toks)
 }
+
+/// POST an OpenAI request through a gateway; returns the pod that served it (the
+/// engine's `x-pod` header) and the response's JSON.
+pub async fn post_openai(url: &str, body: &serde_json::Value) -> (String, serde_json::Value) {
+    let r = reqwest::Client::new()
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .expect("request");
+    assert!(r.status().is_success(), "{}", r.status());
+    let pod = r
+        .headers()
+        .get("x-pod")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    let v = r.json().await.unwrap_or(serde_json::Value::Null);
+    (pod, v)
+}

@@ -14,25 +14,9 @@ use kvroute_shared::protocol::PromptBody;
 use kvroute_tests::stack::{Stack, StackOpts};
 use serde_json::{json, Value};
 
-fn model_dir() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let out = root.join("../target/tokenizer-fixtures");
-    let dir = out.join("deepseek-tools");
-    if !dir.join("tokenizer_config.json").exists() {
-        let st = Command::new("python3")
-            .arg(root.join("tokenizer/make_fixtures.py"))
-            .arg(&out)
-            .arg("20")
-            .status()
-            .expect("python3");
-        assert!(st.success(), "make_fixtures.py (make tokenizer-deps)");
-    }
-    dir
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chats_follow_the_engines_events() {
-    let dir = model_dir();
+    let dir = kvroute_tests::fixture_model_dir("deepseek-tools").expect("model dir");
     let stack = Stack::start(StackOpts {
         engine_args: kvroute_tests::stack::engine_args(4096, 8000, 10, 0.2),
         vllm_events: true,

@@ -11,20 +11,7 @@ fn engine_args() -> Vec<String> {
 }
 
 async fn post(url: &str, body: &Value) -> (String, u64, u64) {
-    let r = reqwest::Client::new()
-        .post(url)
-        .json(body)
-        .send()
-        .await
-        .expect("request");
-    assert!(r.status().is_success(), "{}", r.status());
-    let pod = r
-        .headers()
-        .get("x-pod")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_string();
-    let v: Value = r.json().await.expect("json");
+    let (pod, v) = kvroute_tests::client::post_openai(url, body).await;
     (
         pod,
         v["usage"]["prompt_tokens"].as_u64().unwrap_or(0),

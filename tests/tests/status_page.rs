@@ -12,21 +12,7 @@ use kvroute_tests::stack::{Stack, StackOpts};
 use serde_json::{json, Value};
 
 async fn post(url: &str, body: &Value) -> String {
-    let r = reqwest::Client::new()
-        .post(url)
-        .json(body)
-        .send()
-        .await
-        .expect("request");
-    assert!(r.status().is_success(), "{}", r.status());
-    let pod = r
-        .headers()
-        .get("x-pod")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_string();
-    let _ = r.bytes().await;
-    pod
+    kvroute_tests::client::post_openai(url, body).await.0
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -39,16 +25,7 @@ async fn the_status_page_shows_what_the_api_reports() {
     );
     // The model's own tokenizer and template (engines and sidecar), so chats are
     // routed from engine events and the inspector asks the sidecar for their tokens.
-    let dir = root.join("../target/tokenizer-fixtures/deepseek-tools");
-    if !dir.join("tokenizer_config.json").exists() {
-        let st = Command::new("python3")
-            .arg(root.join("tokenizer/make_fixtures.py"))
-            .arg(root.join("../target/tokenizer-fixtures"))
-            .arg("0")
-            .status()
-            .expect("python3");
-        assert!(st.success(), "make_fixtures.py (make tokenizer-deps)");
-    }
+    let dir = kvroute_tests::fixture_model_dir("deepseek-tools").expect("model dir");
     let stack = Stack::start(StackOpts {
         engine_args: kvroute_tests::stack::engine_args(1536, 8000, 10, 0.5),
         model_dir: Some(dir),

