@@ -108,6 +108,29 @@ impl Api {
     }
 
     /// Wait (up to 5 s) until [`Api::matched`] is `blocks`; panics naming `what`.
+    /// Poll `/v1/lookup` until the deepest confirmed pod matches `blocks` of `chain` (or
+    /// ~5 s pass); returns the last `confirmed` list.
+    pub async fn until_confirmed(&self, model: &str, chain: &[u64], blocks: u64) -> Value {
+        let q = chain
+            .iter()
+            .map(u64::to_string)
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut confirmed = Value::Null;
+        for _ in 0..200 {
+            confirmed = self
+                .get(&format!("/v1/lookup?model={model}&chain={q}"))
+                .await
+                .json["confirmed"]
+                .clone();
+            if confirmed[0]["matched_blocks"].as_u64() == Some(blocks) {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+        }
+        confirmed
+    }
+
     pub async fn until_matched(
         &self,
         model: &str,

@@ -89,24 +89,12 @@ async fn follows_engine_caches_and_restarts(vllm_events: bool) {
     assert_eq!(cached, 0);
     // The engine's `stored` events reach the index over NATS.
     let chain = kvroute_tests::client::token_chain("m", 16, &prompt);
+    let confirmed = stack.api.until_confirmed("m", &chain, 50).await;
     let q = chain
         .iter()
-        .map(|h| h.to_string())
+        .map(u64::to_string)
         .collect::<Vec<_>>()
         .join(",");
-    let mut confirmed = Value::Null;
-    for _ in 0..100 {
-        confirmed = stack
-            .api
-            .get(&format!("/v1/lookup?model=m&chain={q}"))
-            .await
-            .json["confirmed"]
-            .clone();
-        if confirmed[0]["matched_blocks"] == 50 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
     assert_eq!(confirmed[0]["pod"], first.as_str(), "{confirmed}");
     assert_eq!(confirmed[0]["matched_blocks"], 50);
     // Follow-ups with the same prefix land there and reuse it.

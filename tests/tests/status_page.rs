@@ -87,24 +87,10 @@ async fn the_status_page_shows_what_the_api_reports() {
     )
     .await;
     let chain = kvroute_tests::client::token_chain("m", 16, &unique);
-    let q = chain
-        .iter()
-        .map(u64::to_string)
-        .collect::<Vec<_>>()
-        .join(",");
-    let mut confirmed = Value::Null;
-    for _ in 0..200 {
-        confirmed = stack
-            .api
-            .get(&format!("/v1/lookup?model=m&chain={q}"))
-            .await
-            .json["confirmed"]
-            .clone();
-        if confirmed[0]["matched_blocks"].as_u64() == Some(chain.len() as u64) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    let confirmed = stack
+        .api
+        .until_confirmed("m", &chain, chain.len() as u64)
+        .await;
     assert_eq!(
         confirmed,
         json!([{"pod": holder, "matched_blocks": chain.len(),
