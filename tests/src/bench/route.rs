@@ -270,5 +270,100 @@ pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
     );
     out["json_decode_chain_us"] = json!(dec_s.pct(50.0) as f64 / 1e3);
     out["json_decode_8k_chain_us"] = json!(dec.pct(50.0) as f64 / 1e3);
+    drop(sc);
+    precise(o, dur, &mut out).await?;
     Ok(out)
+}
+
+/// The same over the socket for chat requests the sidecar tokenizes (`--tokenizer`,
+/// DeepSeek's tokenizer with the tools template): 8 conversations of ~8 KB history, each
+/// request a new last question (the history comes from the segment cache).
+async fn precise(o: &Opts, dur: Duration, out: &mut serde_json::Value) -> anyhow::Result<()> {
+    let dir = crate::fixture_model_dir("deepseek-tools")?;
+    let spec = format!("--tokenizer=bench={}", dir.display());
+    let sc = SidecarProc::start(&[spec.as_str()], true)?;
+    let api = Api::new(sc.addr);
+    for p in 0..o.pods {
+        api.register(&format!("10.0.0.{}:8000", p + 1), "bench")
+            .await;
+    }
+    let mut rng = Rng(5);
+    let words = [
+        "cache",
+        "router",
+        "prefix",
+        "東京",
+        "latency",
+        "block",
+        "pod",
+        "🙂",
+        "fn x() {}",
+    ];
+    let mut text = |n: usize| {
+        (0..n)
+            .map(|_| words[rng.below(words.len())])
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let histories: Vec<Vec<serde_json::Value>> = (0..8)
+        .map(|_| {
+            let mut h = vec![json!({"role": "system", "content": text(300)})];
+            for _ in 0..4 {
+                h.push(json!({"role": "user", "content": text(60)}));
+                h.push(json!({"role": "assistant", "content": text(120)}));
+            }
+            h
+        })
+        .collect();
+    let bodies: Vec<Bytes> = (0..400)
+        .map(|i| {
+            let mut msgs = histories[i % histories.len()].clone();
+            msgs.push(json!({"role": "user", "content": text(40)}));
+            let body = json!({"model": "bench", "messages": msgs}).to_string();
+            let r = RouteRequest {
+                model: "bench".into(),
+                adapter: String::new(),
+                mode: kvroute_shared::Mode::Text,
+                block_size: 256,
+                chain: vec![],
+                prompt_tokens: 0,
+                request_id: None,
+                session: None,
+                role: None,
+                dry_run: true,
+                explain: false,
+                prompt_body: kvroute_shared::protocol::PromptBody::extract(
+                    true,
+                    "",
+                    body.as_bytes(),
+                )
+                .ok(),
+            };
+            Bytes::from(serde_json::to_vec(&r).unwrap_or_default())
+        })
+        .collect();
+    let uds = sc.uds.clone().ok_or_else(|| anyhow::anyhow!("no socket"))?;
+    let t = Arc::new(Target::Uds(uds));
+    let bodies = Arc::new(bodies);
+    let _ = drive(
+        t.clone(),
+        bodies.clone(),
+        o.clients,
+        Duration::from_millis(500),
+        None,
+    )
+    .await;
+    let (n, mut sat, errs) = drive(t, bodies, o.clients, dur, None).await;
+    let rate = n as f64 / o.seconds;
+    let tokenized = api
+        .metric("kvroute_precise_prompts_total{outcome=\"tokens\"}")
+        .await;
+    println!(
+        "  uds, chat tokenized by the sidecar (~8 KB conversations, new last question): {rate:>8.0} decisions/s saturated (p99 {} us); errors {errs}; {tokenized} prompts tokenized",
+        sat.pct(99.0) / 1000
+    );
+    out["uds_precise_decisions_per_s"] = json!(rate);
+    out["uds_precise_p99_us"] = json!(sat.pct(99.0) as f64 / 1e3);
+    out["uds_precise_errors"] = json!(errs);
+    Ok(())
 }
