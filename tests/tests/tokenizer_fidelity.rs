@@ -254,6 +254,22 @@ fn chat_bodies_route_by_the_engines_blocks() {
         hist_chain.len()
     );
     assert_eq!(sc.metrics.precise.get("tokens"), 1);
+    // Hostile or unusable bodies keep their text chain, each counted: a chat too large to
+    // tokenize, an image part, a role the template refuses.
+    let with_body = |b: serde_json::Value| RouteRequest {
+        prompt_body: Some(PromptBody::extract(true, "", b.to_string().as_bytes()).expect("fields")),
+        ..req("m")
+    };
+    let huge = serde_json::json!({"messages": [{"role": "user", "content": "x".repeat(3 << 20)}]});
+    let image = serde_json::json!({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]});
+    for b in [huge, image] {
+        let a = route(&sc, &with_body(b)).expect("routed by the text chain");
+        assert!(a.ranked.iter().all(|r| r.matched_blocks == 0));
+    }
+    assert_eq!(sc.metrics.precise.get("too_large"), 1);
+    assert_eq!(sc.metrics.precise.get("multimodal"), 1);
     // No tokenizer for this model: the text chain is used and the miss counted.
     let (sc2, _ch2) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
     let reg: PodRegistration =
