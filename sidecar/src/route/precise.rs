@@ -29,7 +29,9 @@ struct Slot;
 
 impl Slot {
     fn take() -> Option<Slot> {
-        let cap = std::thread::available_parallelism().map_or(2, |n| n.get());
+        // Read once: available_parallelism reads cgroup files on every call.
+        static CAP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        let cap = *CAP.get_or_init(|| std::thread::available_parallelism().map_or(2, |n| n.get()));
         RUNNING
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < cap).then_some(n + 1)
