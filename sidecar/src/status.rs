@@ -57,14 +57,13 @@ pub fn snapshot(sc: &Sidecar) -> Value {
                    "live_pods": s.live_pods, "draining_pods": s.draining_pods, "evicted": s.evicted}),
         );
     }
-    for p in &pods {
-        models.entry(p.reg.model.clone()).or_insert_with(|| {
-            json!({"model": p.reg.model, "index_entries": 0, "index_bytes": 0,
-                   "live_pods": 0, "draining_pods": 0, "evicted": 0})
-        });
-    }
+    // Models known only by a registration or a tokenizer have no index yet.
     let toks = sc.tokenizers();
-    for (name, _) in toks.models() {
+    let named = pods
+        .iter()
+        .map(|p| &p.reg.model)
+        .chain(toks.models().map(|(m, _)| m));
+    for name in named {
         models.entry(name.clone()).or_insert_with(|| {
             json!({"model": name, "index_entries": 0, "index_bytes": 0,
                    "live_pods": 0, "draining_pods": 0, "evicted": 0})

@@ -168,6 +168,24 @@ impl Api {
     }
 }
 
+/// A dry-run route request for a chat `body` the sidecar tokenizes (its prompt body; the
+/// text chain left empty).
+pub fn chat_route_req(model: &str, body: &Value) -> RouteRequest {
+    RouteRequest {
+        mode: Mode::Text,
+        block_size: 256,
+        prompt_tokens: 0,
+        dry_run: true,
+        prompt_body: kvroute_shared::protocol::PromptBody::extract(
+            true,
+            "",
+            body.to_string().as_bytes(),
+        )
+        .ok(),
+        ..route_req(model, &[], 256)
+    }
+}
+
 pub fn route_req(model: &str, chain: &[u64], block_size: u32) -> RouteRequest {
     RouteRequest {
         model: model.into(),

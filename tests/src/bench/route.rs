@@ -319,26 +319,10 @@ async fn precise(o: &Opts, dur: Duration, out: &mut serde_json::Value) -> anyhow
         .map(|i| {
             let mut msgs = histories[i % histories.len()].clone();
             msgs.push(json!({"role": "user", "content": text(40)}));
-            let body = json!({"model": "bench", "messages": msgs}).to_string();
-            let r = RouteRequest {
-                model: "bench".into(),
-                adapter: String::new(),
-                mode: kvroute_shared::Mode::Text,
-                block_size: 256,
-                chain: vec![],
-                prompt_tokens: 0,
-                request_id: None,
-                session: None,
-                role: None,
-                dry_run: true,
-                explain: false,
-                prompt_body: kvroute_shared::protocol::PromptBody::extract(
-                    true,
-                    "",
-                    body.as_bytes(),
-                )
-                .ok(),
-            };
+            let r = crate::client::chat_route_req(
+                "bench",
+                &json!({"model": "bench", "messages": msgs}),
+            );
             Bytes::from(serde_json::to_vec(&r).unwrap_or_default())
         })
         .collect();

@@ -15,8 +15,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use kvroute_shared::protocol::{PodRegistration, PolicyConfig, PromptBody, RouteRequest};
-use kvroute_shared::Mode;
+use kvroute_shared::protocol::{PodRegistration, PolicyConfig, RouteRequest};
 use kvroute_sidecar::route::route;
 use kvroute_sidecar::state::Sidecar;
 use kvroute_sidecar::tokenize::{ModelTokenizer, Tokenizers};
@@ -99,22 +98,7 @@ fn sidecar(t: ModelTokenizer) -> std::sync::Arc<Sidecar> {
 }
 
 fn chat_req(body: &Value) -> RouteRequest {
-    RouteRequest {
-        model: "m".into(),
-        adapter: String::new(),
-        mode: Mode::Text,
-        block_size: 256,
-        chain: vec![],
-        prompt_tokens: 0,
-        request_id: None,
-        session: None,
-        role: None,
-        dry_run: true,
-        explain: false,
-        prompt_body: Some(
-            PromptBody::extract(true, "", body.to_string().as_bytes()).expect("fields"),
-        ),
-    }
+    crate::client::chat_route_req("m", body)
 }
 
 pub fn run(o: &Opts) -> anyhow::Result<Value> {
