@@ -9,6 +9,8 @@ WASM := target/wasm32-wasip1/wasm/kvroute_filter.wasm
 # The JS package's wasm-bindgen must be the version shared/js/Cargo.toml pins.
 WASM_BINDGEN_VERSION := $(shell sed -n 's/^wasm-bindgen = "=\(.*\)"/\1/p' shared/js/Cargo.toml)
 JSPKG := shared/js/pkg
+# What a clean `make test` writes to target/ (measured; see [profile.dev] in Cargo.toml).
+BUILD_GIB := 4
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: demo test deps wasm js js-test ui-deps tokenizer-deps build lint fmt reliability clean
@@ -38,6 +40,8 @@ deps:
 	@command -v nats-server >/dev/null 2>&1 || \
 		{ echo "installing nats-server (apt)"; $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq nats-server >/dev/null; }
 	@echo "   rust: $$(rustc --version) | envoy: $$(envoy --version 2>/dev/null | grep -o '1\.[0-9]*\.[0-9]*' | head -1) | $$(nats-server --version)"
+	@free=$$(df -Pk . | awk 'NR==2 {print int($$4/1048576)}'); echo "   disk: $${free} GiB free here (a clean \`make test\` writes ~$(BUILD_GIB) GiB to target/)"; \
+		[ "$$free" -ge $(BUILD_GIB) ] || echo "   WARNING: less free disk than a build needs; the linker fails with a crash when the disk fills"
 
 # The filter as Envoy loads it: small, panic=abort (see the `wasm` profile in Cargo.toml).
 wasm:
