@@ -10,7 +10,7 @@ WASM := target/wasm32-wasip1/wasm/kvroute_filter.wasm
 WASM_BINDGEN_VERSION := $(shell sed -n 's/^wasm-bindgen = "=\(.*\)"/\1/p' shared/js/Cargo.toml)
 JSPKG := shared/js/pkg
 # What a clean `make test` writes to target/ (measured; see [profile.dev] in Cargo.toml).
-BUILD_GIB := 4
+BUILD_GIB := 2
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: demo test deps wasm js js-test ui-deps tokenizer-deps build lint fmt reliability clean
