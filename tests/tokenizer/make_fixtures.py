@@ -47,7 +47,10 @@ def text(rng, lo=0, hi=60):
         if r < 0.05:
             out.append(rng.choice(LOOKALIKES))
         elif r < 0.10:
-            out.append(rng.choice([" " * rng.randint(2, 40), "\n" * rng.randint(1, 6), "\t\t", " \n \n"]))
+            out.append(rng.choice([" " * rng.randint(2, 40), "\n" * rng.randint(1, 6), "\t\t", " \n \n",
+                                   # Whitespace to Python (str.strip, str.split, Jinja's trim)
+                                   # that Rust's char::is_whitespace does not count, and some it does.
+                                   "\x1c", "\x1f\x1e", "\x1d ", "\x85", "\u3000", "\u2028", "\xa0\v\f"]))
         elif r < 0.13:
             out.append("```python\nfor i in range(10):\n    print(i)\n```")
         else:

@@ -5,6 +5,13 @@
 //! `tojson` that writes what Python's `json.dumps(x, ensure_ascii=False)` writes
 //! (`", "` and `": "` separators, insertion order, `indent`, `sort_keys`), which is not
 //! minijinja's compact HTML-safe `tojson`.
+//!
+//! Whitespace is Python's: `str.strip`/`lstrip`/`rstrip`/`split()`/`isspace` and Jinja's
+//! `trim` filter count U+001C–U+001F as whitespace (Python's `str.isspace`), which Rust's
+//! `char::is_whitespace` — and so minijinja's own versions — do not; a message ending in
+//! one would otherwise render, and tokenize, differently from the engine. These versions
+//! also hand back the same string (no copy) when there is nothing to strip, which is the
+//! common case for a template's `message['content'] | trim`.
 
 use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, Error, ErrorKind};
@@ -16,12 +23,117 @@ pub fn environment(source: String) -> Result<Environment<'static>, Error> {
     let mut env = Environment::new();
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.set_unknown_method_callback(python_methods);
     env.add_filter("tojson", tojson);
+    env.add_filter("trim", trim);
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);
     env.add_template_owned(NAME, source)?;
     Ok(env)
+}
+
+/// Python's `str.isspace` for one character: Unicode White_Space plus the four
+/// information separators U+001C–U+001F.
+fn py_space(c: char) -> bool {
+    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+}
+
+#[derive(Clone, Copy)]
+enum Ends {
+    Both,
+    Start,
+    End,
+}
+
+/// `s` stripped as Python strips it: of `chars` when given, else of whitespace.
+fn py_strip<'a>(s: &'a str, chars: Option<&str>, ends: Ends) -> &'a str {
+    let hit = |c: char| match chars {
+        Some(set) => set.contains(c),
+        None => py_space(c),
+    };
+    match ends {
+        Ends::Both => s.trim_matches(hit),
+        Ends::Start => s.trim_start_matches(hit),
+        Ends::End => s.trim_end_matches(hit),
+    }
+}
+
+/// The value itself when nothing was stripped (strings are shared, not copied).
+fn stripped(v: &Value, s: &str, out: &str) -> Value {
+    if out.len() == s.len() {
+        v.clone()
+    } else if v.is_safe() {
+        Value::from_safe_string(out.to_owned())
+    } else {
+        Value::from(out)
+    }
+}
+
+/// Python's `str.split()` without a separator: runs of whitespace separate, ends ignored;
+/// after `maxsplit` splits the rest is one item (its leading whitespace dropped).
+fn py_split_whitespace(s: &str, maxsplit: Option<i64>) -> Value {
+    let mut out = Vec::new();
+    let mut rest = s.trim_start_matches(py_space);
+    let mut left = maxsplit.filter(|n| *n >= 0);
+    while !rest.is_empty() {
+        if left == Some(0) {
+            out.push(Value::from(rest));
+            break;
+        }
+        let end = rest.find(py_space).unwrap_or(rest.len());
+        out.push(Value::from(&rest[..end]));
+        rest = rest[end..].trim_start_matches(py_space);
+        left = left.map(|n| n - 1);
+    }
+    Value::from(out)
+}
+
+/// Jinja's `trim` filter (Python's `str.strip`).
+fn trim(v: Value, chars: Option<String>) -> Value {
+    match v.as_str() {
+        Some(s) => stripped(&v, s, py_strip(s, chars.as_deref(), Ends::Both)),
+        None => {
+            let s = v.to_string();
+            Value::from(py_strip(&s, chars.as_deref(), Ends::Both))
+        }
+    }
+}
+
+/// Python's string methods with Python's whitespace; everything else as minijinja-contrib's
+/// pycompat does it.
+fn python_methods(
+    state: &minijinja::State,
+    value: &Value,
+    method: &str,
+    args: &[Value],
+) -> Result<Value, Error> {
+    use minijinja::value::from_args;
+    if let Some(s) = value.as_str() {
+        let ends = match method {
+            "strip" => Some(Ends::Both),
+            "lstrip" => Some(Ends::Start),
+            "rstrip" => Some(Ends::End),
+            _ => None,
+        };
+        if let Some(ends) = ends {
+            let (chars,): (Option<&str>,) = from_args(args)?;
+            return Ok(stripped(value, s, py_strip(s, chars, ends)));
+        }
+        match method {
+            "isspace" => {
+                let () = from_args(args)?;
+                return Ok(Value::from(!s.is_empty() && s.chars().all(py_space)));
+            }
+            "split" => {
+                let (sep, maxsplit): (Option<Value>, Option<i64>) = from_args(args)?;
+                if sep.as_ref().is_none_or(|v| v.is_none()) {
+                    return Ok(py_split_whitespace(s, maxsplit));
+                }
+            }
+            _ => {}
+        }
+    }
+    minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
 }
 
 fn raise_exception(msg: String) -> Result<Value, Error> {
@@ -191,6 +303,42 @@ mod tests {
             serde_json::json!({"ms": [" a ", "#skip", "b\n"]}),
         );
         assert_eq!(out, "[a][b]3");
+    }
+
+    #[test]
+    fn whitespace_is_pythons() {
+        // Python: "\x1fa b\x1c".strip() == "a b"; "".isspace() is False;
+        // "  a b\x1e c  ".split(None, 1) == ["a", "b\x1e c  "].
+        let ctx = serde_json::json!({"s": "\u{1f} a b\u{1c}", "t": "  a b\u{1e} c  ", "e": ""});
+        assert_eq!(render("[{{ s | trim }}]", ctx.clone()), "[a b]");
+        assert_eq!(render("[{{ s.strip() }}]", ctx.clone()), "[a b]");
+        assert_eq!(render("[{{ s.lstrip() }}]", ctx.clone()), "[a b\u{1c}]");
+        assert_eq!(render("[{{ s.rstrip() }}]", ctx.clone()), "[\u{1f} a b]");
+        assert_eq!(
+            render("[{{ s.strip('\u{1f}\u{1c}') }}]", ctx.clone()),
+            "[ a b]"
+        );
+        assert_eq!(
+            render("[{{ s | trim('\u{1f}') }}]", ctx.clone()),
+            "[ a b\u{1c}]"
+        );
+        assert_eq!(
+            render(
+                "{{ e.isspace() }}{{ t.isspace() }}{{ '\u{1d} '.isspace() }}",
+                ctx.clone()
+            ),
+            "FalseFalseTrue"
+        );
+        assert_eq!(
+            render("{{ t.split() | tojson }}", ctx.clone()),
+            r#"["a", "b", "c"]"#
+        );
+        assert_eq!(
+            render("{{ t.split(none, 1) | tojson }}", ctx.clone()),
+            r#"["a", "b\u001e c  "]"#
+        );
+        assert_eq!(render("{{ t.split(' ') | length }}", ctx.clone()), "7");
+        assert_eq!(render("{{ 12 | trim }}", ctx), "12");
     }
 
     #[test]
