@@ -337,9 +337,13 @@ impl ModelTokenizer {
     /// [`ModelTokenizer::tokenize_request`] of a body given as JSON text (the route
     /// path: parsed once, straight into the template's values).
     pub fn tokenize_json(&self, chat: bool, json: &str) -> Result<Vec<u32>, TokenizeError> {
-        let v: minijinja::Value = serde_json::from_str(json)
-            .map_err(|e| TokenizeError::BadRequest(format!("prompt body: {e}")))?;
-        self.tokenize_value(chat, &v)
+        self.tokenize_value(chat, &parse_body(json)?)
+    }
+
+    /// [`ModelTokenizer::render_chat`] of a body given as JSON text: the route path's
+    /// first stage (parse and render), on its own so a benchmark can say what it costs.
+    pub fn render_chat_json(&self, json: &str) -> Result<String, TokenizeError> {
+        self.render_chat_value(&parse_body(json)?)
     }
 
     fn tokenize_value(
@@ -428,6 +432,11 @@ impl ModelTokenizer {
             ))),
         }
     }
+}
+
+/// A request body parsed straight into the template's values.
+fn parse_body(json: &str) -> Result<minijinja::Value, TokenizeError> {
+    serde_json::from_str(json).map_err(|e| TokenizeError::BadRequest(format!("prompt body: {e}")))
 }
 
 /// `continue_final_message`: the rendered prompt ends right after the last message's

@@ -162,8 +162,12 @@ pub fn run(o: &Opts) -> anyhow::Result<Value> {
     // The history was routed before (turn 20): its pieces are in the cache.
     route(&sc, &chat_req(&json!({"messages": history})))
         .map_err(|e| anyhow::anyhow!("route: {e}"))?;
-    let (mut turn, mut bare1, mut whole) =
-        (Samples::default(), Samples::default(), Samples::default());
+    let (mut turn, mut bare1, mut whole, mut render) = (
+        Samples::default(),
+        Samples::default(),
+        Samples::default(),
+        Samples::default(),
+    );
     for i in 0..n {
         let new = prose(&mut rng, 1024);
         let mut msgs = history.clone();
@@ -173,12 +177,18 @@ pub fn run(o: &Opts) -> anyhow::Result<Value> {
         let _ = bare1.time(|| bare.encode_whole(&new, false));
         let r = turn.time(|| route(&sc, &req));
         anyhow::ensure!(r.is_ok(), "route: {r:?}");
+        // What is proportional to the whole conversation, not to what is new: parsing
+        // the body and rendering the template over every message.
+        if let Some(b) = &req.prompt_body {
+            let _ = render.time(|| mt.render_chat_json(b.fields.get()));
+        }
         if i < 20 {
             let text = mt.render_chat(&body)?;
             let _ = whole.time(|| bare.encode_whole(&text, false));
         }
     }
     let (turn50, bare1_50, whole50) = (turn.pct(50.0), bare1.pct(50.0), whole.pct(50.0));
+    let render50 = render.pct(50.0);
     println!(
         "  21st turn ({} KB history + 1 KB): p50 {:.0} us; bare encode of the 1 KB {:.0} us ({:.2}x); re-encoding the conversation {:.0} us ({:.0}x slower)",
         hist_bytes / 1024,
@@ -187,6 +197,12 @@ pub fn run(o: &Opts) -> anyhow::Result<Value> {
         turn50 as f64 / bare1_50.max(1) as f64,
         whole50 as f64 / 1e3,
         whole50 as f64 / turn50.max(1) as f64
+    );
+    println!(
+        "    of which parsing the body and rendering the template over all {} messages: {:.0} us ({:.2}x the bare encode; the part that grows with the history)",
+        history.len() + 1,
+        render50 as f64 / 1e3,
+        render50 as f64 / bare1_50.max(1) as f64
     );
 
     // 3. A cold prompt of ~128k tokens (completions: encoded whole, special tokens added).
@@ -233,6 +249,7 @@ pub fn run(o: &Opts) -> anyhow::Result<Value> {
         "turn21_ratio": turn50 as f64 / bare1_50.max(1) as f64,
         "reencode_conversation_p50_us": whole50 as f64 / 1e3,
         "turn21_speedup_vs_reencode": whole50 as f64 / turn50.max(1) as f64,
+        "turn21_parse_render_p50_us": render50 as f64 / 1e3,
         "history_kb": hist_bytes / 1024,
         "cold_128k_tokens": ids.len(), "cold_128k_ms": big_ms,
         "tokenizer_rss_mb": tokenizer_mb, "rss_mb_per_cached_mb": rss_per_cached_mb,
