@@ -122,8 +122,10 @@ def trained_dir(name, template):
     tok.post_processor = TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
                                             special_tokens=[("<s>", tok.token_to_id("<s>"))])
     tok.save(str(d / "tokenizer.json"))
+    # add_bos_token/add_eos_token contradict the post-processor on purpose: transformers
+    # (5.x) ignores them when tokenizer.json is present, and so must the sidecar.
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-           "unk_token": "<unk>", "chat_template": [{"name": "default", "template": (HERE / "templates" / template).read_text()},
+           "unk_token": "<unk>", "add_bos_token": False, "add_eos_token": True, "chat_template": [{"name": "default", "template": (HERE / "templates" / template).read_text()},
                                                    {"name": "unused", "template": "{{ raise_exception('not this one') }}"}]}
     (d / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False, indent=1))
     return d

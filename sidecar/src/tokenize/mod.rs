@@ -11,7 +11,10 @@
 //! Loading reads a Hugging Face model directory: `tokenizer.json` (the `tokenizers`
 //! library — no hand-written BPE), the chat template from `chat_template.jinja` or
 //! `tokenizer_config.json` (a string, or named templates of which `default` or the
-//! first is used), and the special tokens there.
+//! first is used), and the special tokens there. Special tokens are added as
+//! `tokenizer.json`'s post-processor says; `add_bos_token`/`add_eos_token` in the config
+//! are ignored as transformers ignores them when `tokenizer.json` is present (the fidelity
+//! test's trained fixture sets them against its post-processor to hold us to that).
 //!
 //! Cost proportional to what is new: the tokenizer splits text at its added tokens
 //! before anything else and encodes the pieces between them independently, so a piece's
