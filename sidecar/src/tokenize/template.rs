@@ -6,7 +6,7 @@
 //! (`", "` and `": "` separators, insertion order, `indent`, `sort_keys`), which is not
 //! minijinja's compact HTML-safe `tojson`.
 //!
-//! Whitespace is Python's: `str.strip`/`lstrip`/`rstrip`/`split()`/`isspace` and Jinja's
+//! Whitespace is Python's: `str.strip`/`lstrip`/`rstrip`/`split()`/`isspace`/`splitlines` and Jinja's
 //! `trim` filter count U+001C–U+001F as whitespace (Python's `str.isspace`), which Rust's
 //! `char::is_whitespace` — and so minijinja's own versions — do not; a message ending in
 //! one would otherwise render, and tokenize, differently from the engine. These versions
@@ -88,6 +88,33 @@ fn py_split_whitespace(s: &str, maxsplit: Option<i64>) -> Value {
     Value::from(out)
 }
 
+/// Python's `str.splitlines`: every line boundary Python knows (`\r\n` as one), no
+/// empty item after a final boundary.
+fn py_splitlines(s: &str, keepends: bool) -> Value {
+    let boundary = |c: char| {
+        matches!(
+            c,
+            '\n' | '\r' | '\u{0b}' | '\u{0c}' | '\u{1c}'
+                ..='\u{1e}' | '\u{85}' | '\u{2028}' | '\u{2029}'
+        )
+    };
+    let mut out = Vec::new();
+    let mut rest = s;
+    while let Some(at) = rest.find(boundary) {
+        let end = if rest[at..].starts_with("\r\n") {
+            at + 2
+        } else {
+            at + rest[at..].chars().next().map_or(1, char::len_utf8)
+        };
+        out.push(Value::from(&rest[..if keepends { end } else { at }]));
+        rest = &rest[end..];
+    }
+    if !rest.is_empty() {
+        out.push(Value::from(rest));
+    }
+    Value::from(out)
+}
+
 /// Jinja's `trim` filter (Python's `str.strip`).
 fn trim(v: Value, chars: Option<String>) -> Value {
     match v.as_str() {
@@ -123,6 +150,10 @@ fn python_methods(
             "isspace" => {
                 let () = from_args(args)?;
                 return Ok(Value::from(!s.is_empty() && s.chars().all(py_space)));
+            }
+            "splitlines" => {
+                let (keepends,): (Option<bool>,) = from_args(args)?;
+                return Ok(py_splitlines(s, keepends.unwrap_or(false)));
             }
             "split" => {
                 let (sep, maxsplit): (Option<Value>, Option<i64>) = from_args(args)?;
@@ -339,6 +370,19 @@ mod tests {
         );
         assert_eq!(render("{{ t.split(' ') | length }}", ctx.clone()), "7");
         assert_eq!(render("{{ 12 | trim }}", ctx), "12");
+        // Python: "a\rb\r\nc\x0bd\x1ce\u2028f\n".splitlines() == ["a","b","c","d","e","f"].
+        let lines = serde_json::json!({"l": "a\rb\r\nc\u{0b}d\u{1c}e\u{2028}f\n", "e": ""});
+        assert_eq!(
+            render(
+                "{{ l.splitlines() | tojson }}|{{ e.splitlines() | length }}",
+                lines.clone()
+            ),
+            r#"["a", "b", "c", "d", "e", "f"]|0"#
+        );
+        assert_eq!(
+            render("{{ l.splitlines(true) | tojson }}", lines),
+            "[\"a\\r\", \"b\\r\\n\", \"c\\u000b\", \"d\\u001c\", \"e\u{2028}\", \"f\\n\"]"
+        );
     }
 
     #[test]
