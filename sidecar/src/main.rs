@@ -3,6 +3,9 @@
 
 use std::path::PathBuf;
 
+#[global_allocator]
+static GLOBAL: kvroute_sidecar::Allocator = kvroute_sidecar::Allocator;
+
 use clap::{Args, Parser, Subcommand};
 use kvroute_sidecar::hashcli::{self, HashArgs, Input};
 

@@ -3,6 +3,7 @@
 //! Ratios against baselines are measured in the same process on the same data.
 
 pub mod filter;
+pub mod heap;
 pub mod index;
 pub mod route;
 pub mod tokenize;

@@ -4,6 +4,12 @@
 
 use std::path::PathBuf;
 
+// The sidecar's own allocator, so in-process figures are the shipped binary's; counted,
+// so memory figures are bytes held rather than resident-set guesses.
+#[global_allocator]
+static GLOBAL: bench::heap::Counting<kvroute_sidecar::Allocator> =
+    bench::heap::Counting(kvroute_sidecar::Allocator);
+
 use clap::{Parser, Subcommand};
 use kvroute_tests::bench;
 
