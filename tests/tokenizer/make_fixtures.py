@@ -8,12 +8,15 @@ token ids of generated requests:
   tools, tool calls and results, conditionals, loop controls, namespace);
 - `deepseek-chatml`: the same tokenizer with `templates/chatml.jinja` (its ChatML tags are
   plain text to this tokenizer);
+- `deepseek-reasoning`: the same tokenizer with `templates/reasoning.jinja` (a reverse scan
+  for the last real question, thinking cut from earlier turns with split/strip chains,
+  grouped tool results, `enable_thinking` from the request's `chat_template_kwargs`);
 - `trained-chatml`: a Unigram tokenizer with a Metaspace pre-tokenizer (SentencePiece's
   shape) trained here with the `tokenizers` library, whose special tokens are ChatML's,
   with `templates/chatml.jinja`.
 
 For each, chat bodies (`apply_chat_template(messages, tools=..., tokenize=True,
-add_generation_prompt=True)`) and completions bodies (`tokenizer(prompt)`, special tokens
+add_generation_prompt=True, **chat_template_kwargs)`) and completions bodies (`tokenizer(prompt)`, special tokens
 added). Usage: make_fixtures.py OUT_DIR [N_CONVERSATIONS] (0: the model directories only). Writes OUT_DIR/<name>/ (a model
 directory) and OUT_DIR/fixtures.json.
 """
@@ -87,7 +90,23 @@ def conversation(rng, with_tools):
                                          "function": {"name": "get_weather",
                                                       "arguments": json.dumps(args) if rng.random() < 0.5 else args}}]})
             msgs.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": text(rng, 1, 10)})
-        msgs.append({"role": "assistant", "content": text(rng, 0, 40)})
+        reply = text(rng, 0, 40)
+        if rng.random() < 0.3:  # a reasoning model's turn: its thinking, then the answer
+            reply = rng.choice(["<think>", "<think>\n", ""]) + text(rng, 0, 20) + "</think>" + rng.choice(["\n\n", "", " "]) + reply
+        msgs.append({"role": "assistant", "content": reply})
+    if with_tools and rng.random() < 0.25:
+        # An agent's prompt ends in tool results: the model thought, called, and got answers
+        # (some frameworks send them back as a user message wrapping the result).
+        msgs.append({"role": "user", "content": text(rng, 1, 20)})
+        msgs.append({"role": "assistant", "content": "<think>" + text(rng, 1, 20) + "</think>" + text(rng, 0, 5),
+                     "tool_calls": [{"id": "call_x", "type": "function",
+                                     "function": {"name": "search", "arguments": {"q": text(rng, 1, 4), "n": 3}}}]})
+        if rng.random() < 0.5:
+            msgs.append({"role": "tool", "tool_call_id": "call_x", "content": text(rng, 1, 10)})
+            msgs.append({"role": "tool", "tool_call_id": "call_y", "content": text(rng, 0, 10)})
+        else:
+            msgs.append({"role": "user", "content": "<result>" + text(rng, 1, 10) + "</result>"})
+        return msgs
     if rng.random() < 0.3 and msgs[-1]["role"] == "assistant":
         msgs.append({"role": "user", "content": ""})  # an empty message
     elif msgs[-1]["role"] == "assistant":
@@ -142,6 +161,7 @@ def main():
     OUT.mkdir(parents=True, exist_ok=True)
     dirs = [(deepseek_dir("deepseek-tools", "tools.jinja"), True),
             (deepseek_dir("deepseek-chatml", "chatml.jinja"), False),
+            (deepseek_dir("deepseek-reasoning", "reasoning.jinja"), True),
             (trained_dir("trained-chatml", "chatml.jinja"), False)]
     if N == 0:
         return  # the model directories only (the demo's)
@@ -166,8 +186,12 @@ def main():
                 ids = ids_of(tok.apply_chat_template(msgs, tools=body.get("tools"), tokenize=True,
                                                      add_generation_prompt=False, continue_final_message=True))
             else:
+                kwargs = {}
+                if rng.random() < 0.3:  # a caller's switch, as vLLM passes chat_template_kwargs
+                    kwargs = {"enable_thinking": rng.random() < 0.5}
+                    body["chat_template_kwargs"] = kwargs
                 ids = ids_of(tok.apply_chat_template(msgs, tools=body.get("tools"), tokenize=True,
-                                                     add_generation_prompt=True))
+                                                     add_generation_prompt=True, **kwargs))
             cases.append({"chat": True, "body": body, "ids": ids})
         for i in range(N // 5):
             prompt = text(rng, 0, 80)
