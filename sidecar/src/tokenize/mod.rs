@@ -3,7 +3,7 @@
 //!
 //! Semantics are the engine's (vLLM's `/v1/chat/completions` and `/v1/completions`):
 //! - chat: the template rendered with `messages` (assistant tool calls' `arguments` as
-//!   objects, as vLLM passes them: [`engine_messages`]), `tools`, `add_generation_prompt=True`,
+//!   objects, as vLLM passes them: `engine_messages`), `tools`, `add_generation_prompt=True`,
 //!   the special tokens' strings and the request's `chat_template_kwargs`; the text then
 //!   encoded without adding special tokens (the template writes them; they are parsed
 //!   as special tokens, so there is no second BOS);
