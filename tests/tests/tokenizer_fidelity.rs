@@ -138,6 +138,8 @@ fn pieces() -> impl Strategy<Value = String> {
         Just("<s>".to_string()),
         Just("\n\n  \t".to_string()),
         Just(" 🙂🚀 ".to_string()),
+        // Whitespace to Python but not to Rust, and some to both.
+        Just("\u{1c}\u{1f} \u{85}\u{3000}\u{2028}\u{0b}".to_string()),
         "[0-9]{1,7}",
     ];
     proptest::collection::vec(piece, 0..24).prop_map(|v| v.concat())
