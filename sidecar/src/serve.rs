@@ -90,6 +90,10 @@ pub fn load_tokenizers(
         );
         t.insert(model, mt);
     }
+    if !specs.is_empty() {
+        // Loading parses each tokenizer.json into buffers it then frees.
+        crate::release_free_memory();
+    }
     Ok(t)
 }
 
