@@ -6,12 +6,12 @@
 //! (`", "` and `": "` separators, insertion order, `indent`, `sort_keys`), which is not
 //! minijinja's compact HTML-safe `tojson`.
 //!
-//! Whitespace is Python's: `str.strip`/`lstrip`/`rstrip`/`split()`/`isspace`/`splitlines` and Jinja's
+//! Whitespace is Python's: `str.strip`/`lstrip`/`rstrip`/`split()`/`isspace` and Jinja's
 //! `trim` filter count U+001C–U+001F as whitespace (Python's `str.isspace`), which Rust's
-//! `char::is_whitespace` — and so minijinja's own versions — do not; a message ending in
-//! one would otherwise render, and tokenize, differently from the engine. These versions
-//! also hand back the same string (no copy) when there is nothing to strip, which is the
-//! common case for a template's `message['content'] | trim`.
+//! `char::is_whitespace` — and so minijinja's own versions — do not; `str.splitlines`
+//! breaks at more than `\n`. A message ending in one would otherwise render, and tokenize,
+//! differently from the engine. These versions also hand back the same string (no copy)
+//! when there is nothing to strip, the common case for `message['content'] | trim`.
 
 use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, Error, ErrorKind};
