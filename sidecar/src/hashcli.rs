@@ -32,11 +32,18 @@ pub struct HashArgs {
 /// `hash --tokenizer DIR`: a request body (or a text prompt) as the engine tokenizes it,
 /// printed as `{"tokens":[...],"chain":[...]}` — what the gateway's sidecar computes for a
 /// model loaded with `--tokenizer`, to compare with the engine's own.
-pub fn run_tokenized(args: &HashArgs, tokenizer: &std::path::Path) -> anyhow::Result<String> {
+pub fn run_tokenized(
+    args: &HashArgs,
+    tokenizer: &std::path::Path,
+    chat_template: Option<&std::path::Path>,
+) -> anyhow::Result<String> {
     if args.block_size == 0 {
         bail!("--block-size must be > 0");
     }
-    let t = crate::tokenize::ModelTokenizer::load(tokenizer, 0)?;
+    let mut t = crate::tokenize::ModelTokenizer::load(tokenizer, 0)?;
+    if let Some(file) = chat_template {
+        t = t.with_chat_template(file)?;
+    }
     let (tokens, model, salt) = match &args.input {
         Input::Request { body, path } => {
             let chat = match Endpoint::from_path(path) {

@@ -64,6 +64,10 @@ struct HashCmd {
     /// `{"tokens":[...],"chain":[...]}`.
     #[arg(long, value_name = "DIR")]
     tokenizer: Option<PathBuf>,
+    /// With --tokenizer: this chat template instead of the directory's (as `serve
+    /// --chat-template`).
+    #[arg(long, value_name = "FILE", requires = "tokenizer")]
+    chat_template: Option<PathBuf>,
     /// Print JSON (implied by --tokenizer).
     #[arg(long)]
     json: bool,
@@ -110,7 +114,10 @@ fn main() -> anyhow::Result<()> {
                 show_canonical: h.show_canonical,
             };
             match &h.tokenizer {
-                Some(dir) => print!("{}", hashcli::run_tokenized(&args, dir)?),
+                Some(dir) => print!(
+                    "{}",
+                    hashcli::run_tokenized(&args, dir, h.chat_template.as_deref())?
+                ),
                 None if h.json => {
                     let chain: Vec<u64> = hashcli::run(&args)?
                         .lines()

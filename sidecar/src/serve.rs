@@ -62,29 +62,61 @@ pub struct ServeArgs {
         value_name = "MODEL=DIR"
     )]
     pub tokenizers: Vec<String>,
+    /// A chat template file that replaces the one in a model's `--tokenizer` directory, for
+    /// engines started with vLLM's `--chat-template FILE`. `MODEL=FILE`, repeatable (env:
+    /// comma-separated).
+    #[arg(
+        long = "chat-template",
+        env = "KVROUTE_CHAT_TEMPLATES",
+        value_delimiter = ',',
+        value_name = "MODEL=FILE"
+    )]
+    pub chat_templates: Vec<String>,
     /// Bound of each model's cache of encoded text pieces.
     #[arg(long, env = "KVROUTE_TOKENIZER_CACHE_MB", default_value_t = 256)]
     pub tokenizer_cache_mb: usize,
 }
 
-/// Load every `MODEL=DIR` tokenizer (a bad directory stops the start: silently routing
-/// by prediction would hide it).
+/// Load every `MODEL=DIR` tokenizer, each with its `MODEL=FILE` chat template when one is
+/// given (a bad directory or file stops the start: silently routing by prediction would
+/// hide it).
 pub fn load_tokenizers(
     specs: &[String],
+    templates: &[String],
     cache_mb: usize,
 ) -> anyhow::Result<crate::tokenize::Tokenizers> {
+    fn split<'a>(flag: &str, spec: &'a str, rhs: &str) -> anyhow::Result<(&'a str, &'a str)> {
+        spec.split_once('=')
+            .filter(|(m, d)| !m.is_empty() && !d.is_empty())
+            .with_context(|| format!("--{flag} {spec:?}: expected MODEL={rhs}"))
+    }
+    let mut files = BTreeMap::new();
+    for spec in templates {
+        let (model, file) = split("chat-template", spec, "FILE")?;
+        if !specs
+            .iter()
+            .any(|s| s.split_once('=').map(|(m, _)| m) == Some(model))
+        {
+            anyhow::bail!("--chat-template {spec}: no --tokenizer for model {model:?}");
+        }
+        files.insert(model, file);
+    }
     let mut t = crate::tokenize::Tokenizers::default();
     for spec in specs {
-        let (model, dir) = spec
-            .split_once('=')
-            .filter(|(m, d)| !m.is_empty() && !d.is_empty())
-            .with_context(|| format!("--tokenizer {spec:?}: expected MODEL=DIR"))?;
-        let mt = crate::tokenize::ModelTokenizer::load(std::path::Path::new(dir), cache_mb << 20)
-            .with_context(|| format!("--tokenizer {spec}"))?;
+        let (model, dir) = split("tokenizer", spec, "DIR")?;
+        let mut mt =
+            crate::tokenize::ModelTokenizer::load(std::path::Path::new(dir), cache_mb << 20)
+                .with_context(|| format!("--tokenizer {spec}"))?;
+        if let Some(file) = files.get(model) {
+            mt = mt
+                .with_chat_template(std::path::Path::new(file))
+                .with_context(|| format!("--chat-template {model}={file}"))?;
+        }
         tracing::info!(
             model,
             dir,
             chat_template = mt.has_template(),
+            chat_template_file = files.get(model).copied(),
             segment_cache = mt.caches_segments(),
             "tokenizer loaded"
         );
@@ -112,7 +144,7 @@ pub async fn run(
         Some(p) => read_json(p, "config file")?,
         None => PolicyConfig::default(),
     };
-    let tokenizers = load_tokenizers(&a.tokenizers, a.tokenizer_cache_mb)?;
+    let tokenizers = load_tokenizers(&a.tokenizers, &a.chat_templates, a.tokenizer_cache_mb)?;
     let (sc, ch) = Sidecar::with_replica(cfg, a.replica_id.clone())
         .map_err(|errs| anyhow::anyhow!("invalid config:\n  {}", errs.join("\n  ")))?;
     sc.set_tokenizers(tokenizers);

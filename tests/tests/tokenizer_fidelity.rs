@@ -284,3 +284,75 @@ fn chat_bodies_route_by_the_engines_blocks() {
     assert_eq!(b.pod, "10.0.0.9:8000");
     assert_eq!(sc2.metrics.precise.get("no_tokenizer"), 1);
 }
+
+/// `--chat-template MODEL=FILE` replaces the directory's template, as vLLM's
+/// `--chat-template` does for its engine; `hash --chat-template` prints the same tokens.
+/// A template for a model without a tokenizer, a missing file or a malformed flag stops
+/// the start.
+#[test]
+fn a_chat_template_file_replaces_the_directorys() {
+    use kvroute_sidecar::hashcli::{run_tokenized, HashArgs, Input};
+    use kvroute_sidecar::serve::load_tokenizers;
+
+    let dir = kvroute_tests::fixture_model_dir("deepseek-chatml").expect("model dir");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let file = tmp.path().join("override.jinja");
+    std::fs::write(
+        &file,
+        "{% for m in messages %}<<{{ m['role'] }}:{{ m['content'] | trim }}>>{% endfor %}",
+    )
+    .expect("write");
+    let body = serde_json::json!({"messages": [{"role": "user", "content": " hello there "}]});
+    let tok = format!("m={}", dir.display());
+    let tpl = format!("m={}", file.display());
+
+    let plain = load_tokenizers(std::slice::from_ref(&tok), &[], 1).expect("load");
+    let swapped =
+        load_tokenizers(std::slice::from_ref(&tok), std::slice::from_ref(&tpl), 1).expect("load");
+    let (p, s) = (plain.get("m").expect("m"), swapped.get("m").expect("m"));
+    assert!(p
+        .render_chat(&body)
+        .expect("render")
+        .contains("<|im_start|>user"));
+    let text = s.render_chat(&body).expect("render");
+    assert_eq!(text, "<<user:hello there>>");
+    let ids = s.tokenize_request(true, &body).expect("ids");
+    assert_eq!(ids, s.encode_whole(&text, false).expect("whole"));
+
+    let args = HashArgs {
+        model: "m".into(),
+        block_size: 16,
+        adapter: String::new(),
+        salt: String::new(),
+        input: Input::Request {
+            body: body.to_string().into_bytes(),
+            path: "/v1/chat/completions".into(),
+        },
+        show_canonical: false,
+    };
+    let out: serde_json::Value =
+        serde_json::from_str(&run_tokenized(&args, &dir, Some(&file)).expect("hash"))
+            .expect("json");
+    assert_eq!(out["tokens"], serde_json::json!(ids));
+
+    for (toks, tpls, why) in [
+        (
+            vec![tok.clone()],
+            vec![format!("other={}", file.display())],
+            "no --tokenizer",
+        ),
+        (
+            vec![tok.clone()],
+            vec!["m=/nonexistent/t.jinja".to_string()],
+            "--chat-template m=",
+        ),
+        (
+            vec![tok.clone()],
+            vec!["m".to_string()],
+            "expected MODEL=FILE",
+        ),
+    ] {
+        let e = load_tokenizers(&toks, &tpls, 1).err().expect("refused");
+        assert!(format!("{e:#}").contains(why), "{e:#}");
+    }
+}

@@ -236,6 +236,14 @@ impl ModelTokenizer {
         }))
     }
 
+    /// Use the template in `file` instead of the directory's, as an engine started with
+    /// vLLM's `--chat-template FILE` does.
+    pub fn with_chat_template(mut self, file: &Path) -> Result<ModelTokenizer, TokenizeError> {
+        let source = std::fs::read_to_string(file).map_err(|e| load_err(file, e))?;
+        self.env = Some(template::environment(source).map_err(|e| load_err(file, e))?);
+        Ok(self)
+    }
+
     pub fn dir(&self) -> &Path {
         &self.dir
     }
