@@ -98,6 +98,17 @@ fn sidecar(t: ModelTokenizer) -> std::sync::Arc<Sidecar> {
     sc
 }
 
+/// Route decisions per second for one second, cycling through `reqs`, on this thread.
+fn routes_per_second(sc: &Sidecar, reqs: &[RouteRequest]) -> f64 {
+    let t0 = Instant::now();
+    let mut k = 0usize;
+    while t0.elapsed().as_secs_f64() < 1.0 {
+        let _ = route(sc, &reqs[k % reqs.len()]);
+        k += 1;
+    }
+    k as f64 / t0.elapsed().as_secs_f64()
+}
+
 fn chat_req(body: &Value) -> RouteRequest {
     crate::client::chat_route_req("m", body)
 }
@@ -234,24 +245,12 @@ pub fn run(o: &Opts) -> anyhow::Result<Value> {
             chat_req(&json!({"messages": msgs}))
         })
         .collect();
-    let t0 = Instant::now();
-    let mut k = 0usize;
-    while t0.elapsed().as_secs_f64() < 1.0 {
-        let _ = route(&sc, &bodies[k % bodies.len()]);
-        k += 1;
-    }
-    let precise_rps = k as f64 / t0.elapsed().as_secs_f64();
+    let precise_rps = routes_per_second(&sc, &bodies);
     let chains: Vec<RouteRequest> = bodies
         .iter()
         .map(|r| kvroute_sidecar::route::precise::precise(&sc, r).expect("tokenized"))
         .collect();
-    let t0 = Instant::now();
-    let mut k = 0usize;
-    while t0.elapsed().as_secs_f64() < 1.0 {
-        let _ = route(&sc, &chains[k % chains.len()]);
-        k += 1;
-    }
-    let chain_rps = k as f64 / t0.elapsed().as_secs_f64();
+    let chain_rps = routes_per_second(&sc, &chains);
     println!(
         "  route throughput (in-process, one thread): {precise_rps:.0}/s with tokenization of 21st turns, {chain_rps:.0}/s for their token chains"
     );
