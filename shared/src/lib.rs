@@ -11,6 +11,5 @@
 pub mod canon;
 pub mod chain;
 pub mod protocol;
-mod skim;
 
 pub use chain::{common_prefix_blocks, ChainHasher, Mode, Namespace};

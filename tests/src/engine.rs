@@ -70,7 +70,7 @@ pub struct EngineArgs {
     #[arg(long)]
     pub sidecar: Option<String>,
     /// Publish KV events as vLLM does instead: msgpack over a ZMQ PUB socket bound here
-    /// (e.g. tcp://127.0.0.1:5557), engine-salted hashes; `kvroute-sidecar bridge`
+    /// (e.g. tcp://127.0.0.1:5557), engine-salted hashes; `kvroute-bridge`
     /// translates them.
     #[arg(long)]
     pub zmq_events: Option<String>,
@@ -125,7 +125,7 @@ struct Engine {
     pod: String,
     tokenizer: tiktoken_rs::CoreBPE,
     /// `--model-dir`: the model's own tokenizer and template.
-    model_tok: Option<kvroute_sidecar::tokenize::ModelTokenizer>,
+    model_tok: Option<kvroute_sidecar::ModelTokenizer>,
     cache: Mutex<BlockCache>,
     epoch: Mutex<String>,
     seq: AtomicU64,
@@ -258,10 +258,7 @@ pub async fn run(args: EngineArgs) -> anyhow::Result<()> {
         None => None,
     };
     let model_tok = match &args.model_dir {
-        Some(d) => Some(kvroute_sidecar::tokenize::ModelTokenizer::load(
-            d,
-            64 << 20,
-        )?),
+        Some(d) => Some(kvroute_sidecar::ModelTokenizer::load(d, 64 << 20)?),
         None => None,
     };
     let eng = Arc::new(Engine {
@@ -307,7 +304,7 @@ pub async fn run(args: EngineArgs) -> anyhow::Result<()> {
 /// Publishes batches with the fault knobs applied (drop, duplicate, delay).
 async fn event_sender(eng: Arc<Engine>, mut rx: tokio::sync::mpsc::UnboundedReceiver<EventBatch>) {
     let sidecars = eng.args.sidecar.iter().cloned().collect();
-    let auth = kvroute_bridge::nats_auth::NatsAuth::default();
+    let auth = kvroute_bridge::NatsAuth::default();
     let sink = match EventSink::connect(eng.args.nats.as_deref(), &auth, sidecars, None).await {
         Ok(s) => Arc::new(s),
         Err(e) => {
@@ -365,7 +362,7 @@ async fn load_reporter(eng: Arc<Engine>) {
     }
 }
 
-/// vLLM's own load gauges, in its Prometheus names (what `kvroute-sidecar bridge` polls).
+/// vLLM's own load gauges, in its Prometheus names (what `kvroute-bridge` polls).
 async fn metrics(State(eng): State<Arc<Engine>>) -> String {
     let usage = {
         let c = eng.cache.lock();

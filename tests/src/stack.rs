@@ -109,7 +109,7 @@ pub struct StackOpts {
     /// Register pods with their dump URL (for resyncs).
     pub register_dumps: bool,
     /// Engines speak vLLM's event protocol (ZMQ, salted hashes) and a
-    /// `kvroute-sidecar bridge` beside each translates it (needs `nats`).
+    /// `kvroute-bridge` beside each translates it (needs `nats`).
     pub vllm_events: bool,
     /// A Hugging Face model directory for model "m": the engines tokenize with it, the
     /// sidecar loads it (`--tokenizer`), and the filter hands chat/text requests over

@@ -1,6 +1,6 @@
 //! The vLLM / SGLang bridge end to end: a ZMQ publisher speaking vLLM's wire format (both
 //! the positional and the map encodings, integer and byte hashes), the real
-//! `kvroute-sidecar bridge` process, and a real sidecar. What the engine says it cached
+//! `kvroute-bridge` process, and a real sidecar. What the engine says it cached
 //! must show up under the chain hashes the filter computes for the same tokens; a bad
 //! payload is counted and skipped; an engine restart drops the pod's blocks; the
 //! bridge's dump is the engine's cache.

@@ -185,11 +185,15 @@ fn vllm_bridge_manifest() {
     assert_eq!(events["enable_kv_cache_events"], true);
     assert_eq!(events["publisher"], "zmq");
     let port = |ep: &str| ep.rsplit(':').next().map(str::to_owned);
-    let bridge = args("kvroute-bridge");
-    assert_eq!(bridge[0], "bridge");
-    let bridge: Vec<String> = std::iter::once("bridge".to_string())
+    let image = list
+        .iter()
+        .find(|c| c["name"].as_str() == Some("kvroute-bridge"))
+        .and_then(|c| c["image"].as_str())
+        .unwrap_or("");
+    assert!(image.contains("/kvroute-bridge:"), "{image}");
+    let bridge: Vec<String> = std::iter::once("kvroute-bridge".to_string())
         .chain(
-            bridge[1..]
+            args("kvroute-bridge")
                 .iter()
                 .map(|a| a.replace("$(POD_IP)", "10.0.0.7")),
         )

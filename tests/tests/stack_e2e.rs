@@ -64,7 +64,7 @@ async fn event_driven_routing_follows_engine_caches_and_restarts() {
 }
 
 /// The same with engines that speak vLLM's protocol (ZMQ, msgpack, hashes salted per
-/// process) through a `kvroute-sidecar bridge` beside each: routing must not be able to
+/// process) through a `kvroute-bridge` beside each: routing must not be able to
 /// tell the difference.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_protocol_engines_behind_bridges_route_the_same() {

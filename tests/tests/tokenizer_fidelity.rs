@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 
-use kvroute_sidecar::tokenize::ModelTokenizer;
+use kvroute_sidecar::ModelTokenizer;
 use proptest::prelude::*;
 use serde_json::Value;
 
@@ -178,10 +178,10 @@ proptest! {
 fn chat_bodies_route_by_the_engines_blocks() {
     use kvroute_shared::protocol::{PodRegistration, PolicyConfig, PromptBody, RouteRequest};
     use kvroute_shared::Mode;
-    use kvroute_sidecar::ingest::{ingest, IngestLocks};
-    use kvroute_sidecar::route::route;
-    use kvroute_sidecar::state::Sidecar;
-    use kvroute_sidecar::tokenize::Tokenizers;
+    use kvroute_sidecar::route;
+    use kvroute_sidecar::Sidecar;
+    use kvroute_sidecar::Tokenizers;
+    use kvroute_sidecar::{ingest, Recovery};
 
     let f = fixtures();
     let (_, dir, _) = f
@@ -213,7 +213,7 @@ fn chat_bodies_route_by_the_engines_blocks() {
         .expect("tokens");
     let hist_chain = kvroute_tests::client::token_chain("m", 16, &hist_ids);
     assert!(hist_chain.len() >= 10, "{} blocks", hist_chain.len());
-    let locks = IngestLocks::default();
+    let locks = Recovery::default();
     ingest(
         &sc,
         &locks,
@@ -292,7 +292,7 @@ fn chat_bodies_route_by_the_engines_blocks() {
 #[test]
 fn a_chat_template_file_replaces_the_directorys() {
     use kvroute_sidecar::hashcli::{run_tokenized, HashArgs, Input};
-    use kvroute_sidecar::serve::load_tokenizers;
+    use kvroute_sidecar::load_tokenizers;
 
     let dir = kvroute_tests::fixture_model_dir("deepseek-chatml").expect("model dir");
     let tmp = tempfile::tempdir().expect("tmp");

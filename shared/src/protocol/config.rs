@@ -37,7 +37,7 @@ impl Default for ModelConfig {
 /// `prefill_weight · (prompt_blocks − hits) + load_weight · pending_prefill_blocks
 ///  + decode_weight · active_decode_blocks + queue_weight · queued_requests`, where hits
 /// count confirmed blocks fully, predicted ones at `predicted_weight`, non-GPU ones at
-/// `1 − tier_cost`, and a stale pod's at `stale_factor` (see sidecar/src/policy.rs).
+/// `1 − tier_cost`, and a stale pod's at `stale_factor` (see sidecar/gateway/src/policy.rs).
 /// Defaults were chosen with `kvroute-bench sim` (docs/policy.md).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]

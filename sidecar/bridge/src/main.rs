@@ -15,8 +15,8 @@ struct Cli {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    kvroute_bridge::service_runtime()?.block_on(kvroute_bridge::run(
+    kvroute_service::service_runtime()?.block_on(kvroute_bridge::run(
         cli.args,
-        kvroute_bridge::wait_for_signal(),
+        kvroute_service::wait_for_signal(),
     ))
 }

@@ -1,4 +1,4 @@
-//! `kvroute-bridge` (also `kvroute-sidecar bridge`): runs next to one vLLM or SGLang engine (a container in the
+//! `kvroute-bridge`: runs next to one vLLM or SGLang engine (a container in the
 //! engine's pod), subscribes to its ZMQ KV event stream, translates the events into
 //! kvroute event batches ([`crate::translate`]) and publishes them ([`crate::sink`]).
 //!
@@ -25,12 +25,11 @@ use axum::routing::get;
 use axum::{Json, Router};
 use bytes::Bytes;
 use futures::StreamExt;
+use kvroute_service::{NatsAuth, Shutdown};
 use parking_lot::Mutex;
-use tokio::sync::watch;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::metrics::{Counters, METRICS_CONTENT_TYPE};
-use crate::nats_auth::NatsAuth;
 use crate::sink::EventSink;
 use crate::translate::Translator;
 use crate::vllm;
@@ -166,7 +165,7 @@ pub async fn run(
     )
     .await?;
     let listener = tokio::net::TcpListener::bind(a.listen).await?;
-    let (stop_tx, stop) = watch::channel(false);
+    let (stop_tx, stop) = Shutdown::new();
     let (tx, rx) = tokio::sync::mpsc::channel(QUEUE);
     let mut producers = tokio::task::JoinSet::new();
     if let Some(url) = a.engine_metrics_url() {
@@ -188,13 +187,13 @@ pub async fn run(
     let server = tokio::spawn(async move {
         axum::serve(listener, app)
             .with_graceful_shutdown(async move {
-                let _ = http_stop.changed().await;
+                http_stop.wait().await;
             })
             .await
     });
     shutdown.await;
     tracing::info!("bridge: shutting down");
-    let _ = stop_tx.send(true);
+    stop_tx.stop();
     // The producers end and drop their senders; the publisher drains what is queued.
     while producers.join_next().await.is_some() {}
     let _ = publisher.await;
@@ -224,7 +223,7 @@ fn queue(br: &Bridge, tx: &Out, b: kvroute_shared::protocol::EventBatch) -> bool
     }
 }
 
-async fn receive(br: Arc<Bridge>, a: BridgeArgs, tx: Out, mut stop: watch::Receiver<bool>) {
+async fn receive(br: Arc<Bridge>, a: BridgeArgs, tx: Out, mut stop: Shutdown) {
     let mut sock = zeromq::SubSocket::new();
     // Connection events: next to the engine, a reconnection means it restarted.
     let mut monitor = sock.monitor();
@@ -234,7 +233,7 @@ async fn receive(br: Arc<Bridge>, a: BridgeArgs, tx: Out, mut stop: watch::Recei
     }
     // Waits for the engine to come up, then reconnects by itself.
     let connected = tokio::select! {
-        _ = stop.changed() => return,
+        _ = stop.wait() => return,
         c = sock.connect(&a.zmq) => c,
     };
     if let Err(e) = connected {
@@ -247,7 +246,7 @@ async fn receive(br: Arc<Bridge>, a: BridgeArgs, tx: Out, mut stop: watch::Recei
         // one of the old engine's.
         let msg = tokio::select! {
             biased;
-            _ = stop.changed() => return,
+            _ = stop.wait() => return,
             Some(ev) = monitor.next() => {
                 if let zeromq::SocketEvent::Connected(..) = ev {
                     let out = br.tr.lock().reconnected();
@@ -360,13 +359,7 @@ async fn replay(endpoint: &str, from: u64, until: u64) -> Option<Vec<(u64, Bytes
 
 /// The engine's own load, from its metrics endpoint, as `load` events: the router's
 /// projection then follows what the engine really runs and queues.
-async fn poll_load(
-    br: Arc<Bridge>,
-    url: String,
-    every: Duration,
-    tx: Out,
-    mut stop: watch::Receiver<bool>,
-) {
+async fn poll_load(br: Arc<Bridge>, url: String, every: Duration, tx: Out, mut stop: Shutdown) {
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(1))
         .build()
@@ -375,7 +368,7 @@ async fn poll_load(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            _ = stop.changed() => return,
+            _ = stop.wait() => return,
             _ = tick.tick() => {}
         }
         br.n.load_polls.inc();
@@ -400,7 +393,7 @@ async fn publish(
     br: Arc<Bridge>,
     sink: EventSink,
     mut rx: tokio::sync::mpsc::Receiver<kvroute_shared::protocol::EventBatch>,
-    mut stop: watch::Receiver<bool>,
+    mut stop: Shutdown,
 ) {
     let send_all = async {
         while let Some(b) = rx.recv().await {
@@ -411,7 +404,7 @@ async fn publish(
     tokio::pin!(send_all);
     tokio::select! {
         _ = &mut send_all => return,
-        _ = stop.changed() => {}
+        _ = stop.wait() => {}
     }
     if tokio::time::timeout(DRAIN, send_all).await.is_err() {
         tracing::warn!("bridge: batches still queued after {DRAIN:?}; dropped");

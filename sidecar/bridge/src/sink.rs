@@ -6,7 +6,7 @@
 
 use kvroute_shared::protocol::EventBatch;
 
-use crate::nats_auth::NatsAuth;
+use kvroute_service::NatsAuth;
 
 pub struct EventSink {
     nats: Option<async_nats::Client>,

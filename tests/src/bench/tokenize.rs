@@ -17,9 +17,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use kvroute_shared::protocol::{PodRegistration, PolicyConfig, RouteRequest};
-use kvroute_sidecar::route::route;
-use kvroute_sidecar::state::Sidecar;
-use kvroute_sidecar::tokenize::{ModelTokenizer, Tokenizers};
+use kvroute_sidecar::route;
+use kvroute_sidecar::Sidecar;
+use kvroute_sidecar::{ModelTokenizer, Tokenizers};
 use serde_json::{json, Value};
 
 use super::{heap, Rng, Samples};
@@ -248,7 +248,7 @@ pub fn run(o: &Opts) -> anyhow::Result<Value> {
     let precise_rps = routes_per_second(&sc, &bodies);
     let chains: Vec<RouteRequest> = bodies
         .iter()
-        .map(|r| kvroute_sidecar::route::precise::precise(&sc, r).expect("tokenized"))
+        .map(|r| kvroute_sidecar::precise(&sc, r).expect("tokenized"))
         .collect();
     let chain_rps = routes_per_second(&sc, &chains);
     println!(

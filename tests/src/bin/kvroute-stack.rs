@@ -41,7 +41,7 @@ enum Cmd {
     },
     /// Start the stack and keep it running.
     Up {
-        /// Engines speak vLLM's event protocol (ZMQ), with a `kvroute-sidecar bridge`
+        /// Engines speak vLLM's event protocol (ZMQ), with a `kvroute-bridge`
         /// beside each.
         #[arg(long)]
         vllm_events: bool,

@@ -9,8 +9,8 @@
 use std::collections::HashMap;
 
 use kvroute_shared::protocol::{PolicyConfig, RouteRequest};
-use kvroute_sidecar::policy::{self, Ask, Candidate, Ranking, Score};
-use kvroute_sidecar::route::{PolicySelector, Selector};
+use kvroute_sidecar::policy::{self, Ask, Candidate, Ranking};
+use kvroute_sidecar::{PolicySelector, Selector};
 
 use crate::bench::Rng;
 
@@ -78,10 +78,7 @@ impl Policy {
 
 /// A ranking that names only the chosen candidate.
 fn chose(i: usize) -> Option<Ranking> {
-    Some(Ranking {
-        order: vec![(i, Score::default(), true)],
-        pick: 0,
-    })
+    Some(Ranking::only(i))
 }
 
 struct Random(Rng);

@@ -27,9 +27,9 @@ use kvroute_shared::protocol::{
     CompletionReport, Event, EventBatch, LoadDelta, PolicyConfig, RouteRequest, Tier,
 };
 use kvroute_shared::Mode;
-use kvroute_sidecar::ingest::{self, IngestLocks};
-use kvroute_sidecar::route::{self, Selector};
-use kvroute_sidecar::state::Sidecar;
+use kvroute_sidecar::Selector;
+use kvroute_sidecar::Sidecar;
+use kvroute_sidecar::{self as sidecar, Recovery};
 use serde_json::json;
 use tokio::sync::mpsc;
 
@@ -147,10 +147,10 @@ struct Pod {
     seq: u64,
 }
 
-/// One simulated gateway: a sidecar, its ingest locks, its outbox and its selector.
+/// One simulated gateway: a sidecar, its recovery (stream locks), its outbox and its selector.
 struct Gateway {
     sc: Arc<Sidecar>,
-    locks: IngestLocks,
+    recovery: Recovery,
     outbox: mpsc::Receiver<LoadDelta>,
     selector: Box<dyn Selector>,
 }
@@ -195,7 +195,7 @@ impl Sim<'_> {
         p.seq += 1;
         let now = self.at(t);
         for g in &self.gws {
-            let _ = ingest::ingest_at(&g.sc, &g.locks, &batch, now);
+            let _ = sidecar::ingest_at(&g.sc, &g.recovery, &batch, now);
         }
     }
 
@@ -245,7 +245,7 @@ impl Sim<'_> {
         };
         let now = self.at(t);
         let gw = &mut self.gws[g];
-        let k = match route::route_with(&gw.sc, &req, now, gw.selector.as_mut()) {
+        let k = match sidecar::route_with(&gw.sc, &req, now, gw.selector.as_mut()) {
             Ok(a) => {
                 self.decision[i] = a.decision.unwrap_or_default();
                 self.pod_of_id.get(&a.pod).copied().unwrap_or(0)
@@ -326,7 +326,7 @@ impl Sim<'_> {
                         cached_tokens: Some((self.hit[i] * self.o.block_tokens as u64) as u32),
                         ..Default::default()
                     };
-                    route::report_at(&self.gws[g].sc, &report, self.at(now));
+                    sidecar::report_at(&self.gws[g].sc, &report, self.at(now));
                     self.forward_deltas(g, now);
                     self.try_start(k, now);
                     self.report_load(k, now);
@@ -384,7 +384,7 @@ pub fn simulate_labelled(reqs: &[Request], o: &SimOpts, p: Policy, workload: &st
             sc.enable_replica_sync(o.gateways > 1);
             Gateway {
                 sc,
-                locks: IngestLocks::default(),
+                recovery: Recovery::default(),
                 outbox: ch.outbox,
                 selector: p.selector(o.seed.wrapping_add(g as u64)),
             }
@@ -415,7 +415,7 @@ pub fn simulate_labelled(reqs: &[Request], o: &SimOpts, p: Policy, workload: &st
         gws,
         heap: BinaryHeap::new(),
         seq: 0,
-        origin: kvroute_sidecar::ledger::clock_origin() + Duration::from_secs(1),
+        origin: kvroute_sidecar::clock_origin() + Duration::from_secs(1),
         pending_events: Vec::new(),
         pending_deltas: Vec::new(),
         rng: Rng(o.seed),

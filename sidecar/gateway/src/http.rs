@@ -1,0 +1,445 @@
+//! The HTTP API (docs/protocol.md): the filter's `/v1/route` and `/v1/report`, event
+//! ingestion, pods, config, lookups for operators, metrics and health.
+//!
+//! The same router serves the TCP listener and the filter's Unix socket. On TCP, when an
+//! admin token is configured, every request that changes state needs it as a bearer
+//! token; the Unix socket is authorized by its file permissions instead (the filter
+//! cannot be given a secret more safely than a socket only Envoy can open).
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::{HeaderMap, Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post, put};
+use axum::{Json, Router};
+use kvroute_shared::protocol::{
+    EventBatch, PodRegistration, PolicyConfig, ReportBatch, RouteRequest,
+};
+use serde_json::json;
+
+use crate::ingest::{self, Recovery};
+use crate::route;
+use crate::state::{ConfigError, Sidecar};
+
+#[derive(Clone)]
+pub struct Api {
+    pub sc: Arc<Sidecar>,
+    pub recovery: Arc<Recovery>,
+    /// Required bearer token for state-changing requests (TCP listener only).
+    pub admin_token: Option<Arc<str>>,
+}
+
+/// Event batches and dumps can be large; route requests carry at most ~1M hashes.
+const BODY_LIMIT: usize = 32 << 20;
+
+pub fn router(api: Api) -> Router {
+    Router::new()
+        .route("/v1/route", post(route_h))
+        .route("/v1/report", post(report_h))
+        .route("/v1/events", post(events_h))
+        .route("/v1/pods", get(pods_h))
+        .route(
+            "/v1/pods/{id}",
+            put(put_pod_h).delete(delete_pod_h).get(get_pod_h),
+        )
+        .route("/v1/pods/{id}/blocks", get(pod_blocks_h))
+        .route("/v1/config", get(get_config_h).put(put_config_h))
+        .route("/v1/lookup", get(lookup_get_h).post(lookup_post_h))
+        .route("/v1/status", get(status_h))
+        .route("/v1/tokenize", post(tokenize_h))
+        .route("/v1/decisions", get(decisions_h))
+        .route("/metrics", get(metrics_h))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready_h))
+        .merge(crate::ui::router())
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(axum::middleware::from_fn_with_state(api.clone(), auth))
+        .with_state(api)
+}
+
+async fn auth(
+    State(api): State<Api>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Some(token) = &api.admin_token {
+        let changes_state = matches!(*req.method(), Method::POST | Method::PUT | Method::DELETE);
+        // A lookup tells whether a prompt is cached: what users asked, so it is guarded
+        // like the admin API whichever the method.
+        let path = req.uri().path();
+        let reveals_prompts = matches!(path, "/v1/lookup" | "/v1/status" | "/v1/decisions")
+            || path.ends_with("/blocks");
+        if (changes_state || reveals_prompts) && !bearer_ok(req.headers(), token) {
+            return err(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "this endpoint needs Authorization: Bearer <admin token>",
+            );
+        }
+    }
+    next.run(req).await
+}
+
+fn bearer_ok(h: &HeaderMap, token: &str) -> bool {
+    let Some(v) = h.get("authorization").and_then(|v| v.to_str().ok()) else {
+        return false;
+    };
+    let Some(given) = v.strip_prefix("Bearer ") else {
+        return false;
+    };
+    // Constant-time comparison: the token is a secret.
+    given.len() == token.len()
+        && given
+            .bytes()
+            .zip(token.bytes())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+}
+
+fn err(status: StatusCode, reason: &str, msg: impl std::fmt::Display) -> Response {
+    (
+        status,
+        Json(json!({"error": msg.to_string(), "reason": reason})),
+    )
+        .into_response()
+}
+
+// A refusal is a ready response; boxing it would only add an allocation per error.
+#[allow(clippy::result_large_err)]
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8], what: &str) -> Result<T, Response> {
+    serde_json::from_slice(body).map_err(|e| {
+        err(
+            StatusCode::BAD_REQUEST,
+            "bad_json",
+            format!("malformed {what}: {e}"),
+        )
+    })
+}
+
+async fn route_h(State(api): State<Api>, headers: HeaderMap, body: Bytes) -> Response {
+    let binary = headers
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with(kvroute_shared::protocol::ROUTE_BINARY_CONTENT_TYPE));
+    let parsed = if binary {
+        RouteRequest::decode_binary(&body).map_err(|e| err(StatusCode::BAD_REQUEST, "bad_body", e))
+    } else {
+        parse(&body, "route request")
+    };
+    let req: RouteRequest = match parsed {
+        Ok(r) => r,
+        Err(resp) => {
+            api.sc.metrics.route_errors.inc("bad_json", 1);
+            return resp;
+        }
+    };
+    let answer = if req.prompt_body.is_some() {
+        // Rendering and tokenizing take milliseconds: off the async workers.
+        let sc = api.sc.clone();
+        match tokio::task::spawn_blocking(move || route::route(&sc, &req)).await {
+            Ok(a) => a,
+            Err(e) => return err(StatusCode::INTERNAL_SERVER_ERROR, "internal", e),
+        }
+    } else {
+        route::route(&api.sc, &req)
+    };
+    match answer {
+        Ok(resp) => Json(resp).into_response(),
+        Err(e) => err(status_of(e.status()), e.reason(), e),
+    }
+}
+
+fn status_of(code: u16) -> StatusCode {
+    StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+}
+
+async fn report_h(State(api): State<Api>, body: Bytes) -> Response {
+    let rejected = |n: usize| api.sc.metrics.reports_rejected.inc_by(n as u64);
+    match ReportBatch::decode(&body) {
+        Ok(batch) => {
+            for r in &batch.reports {
+                route::report(&api.sc, r);
+            }
+            if batch.rejected.is_empty() {
+                return StatusCode::NO_CONTENT.into_response();
+            }
+            rejected(batch.rejected.len());
+            err(
+                StatusCode::BAD_REQUEST,
+                "bad_report",
+                format!(
+                    "{} of {} reports rejected (the others were applied): {}",
+                    batch.rejected.len(),
+                    batch.rejected.len() + batch.reports.len(),
+                    batch.rejected.join("; ")
+                ),
+            )
+        }
+        Err(e) => {
+            rejected(1);
+            err(StatusCode::BAD_REQUEST, "bad_json", e)
+        }
+    }
+}
+
+async fn events_h(State(api): State<Api>, body: Bytes) -> Response {
+    let batch = match EventBatch::decode(&body) {
+        Ok(b) => b,
+        Err(e) => {
+            api.sc.metrics.events_rejected.inc(e.reason(), 1);
+            return err(StatusCode::BAD_REQUEST, e.reason(), e);
+        }
+    };
+    let (sc, rec) = (api.sc.clone(), api.recovery.clone());
+    let r = tokio::task::spawn_blocking(move || ingest::ingest(&sc, &rec, &batch)).await;
+    match r {
+        Ok(Ok(i)) => Json(json!({
+            "applied": !i.duplicate, "duplicate": i.duplicate, "restarted": i.restarted,
+            "gap": i.gap, "blocks_changed": i.blocks_changed, "removed_pod": i.removed_pod,
+        }))
+        .into_response(),
+        Ok(Err(e)) => err(StatusCode::UNPROCESSABLE_ENTITY, e.reason(), e),
+        Err(e) => err(StatusCode::INTERNAL_SERVER_ERROR, "internal", e),
+    }
+}
+
+fn pod_json(sc: &Sidecar, p: &crate::registry::Pod, now: std::time::Instant) -> serde_json::Value {
+    crate::status::pod(sc, p, now)
+}
+
+#[derive(serde::Deserialize)]
+struct TokenizeBody {
+    model: String,
+    /// `/v1/chat/completions` or `/v1/completions`.
+    path: String,
+    body: serde_json::Value,
+}
+
+/// A request body as the model's tokenizer sees it (`--tokenizer`): the status page's
+/// inspector chains these ids in the browser, and operators compare them with the
+/// engine's. Guarded like every POST.
+async fn tokenize_h(State(api): State<Api>, body: Bytes) -> Response {
+    let b: TokenizeBody = match parse(&body, "tokenize request") {
+        Ok(b) => b,
+        Err(resp) => return resp,
+    };
+    let chat = match kvroute_shared::canon::Endpoint::from_path(&b.path) {
+        Some(kvroute_shared::canon::Endpoint::ChatCompletions) => true,
+        Some(kvroute_shared::canon::Endpoint::Completions) => false,
+        None => {
+            return err(
+                StatusCode::BAD_REQUEST,
+                "bad_path",
+                format!("{:?} is not a completions path", b.path),
+            )
+        }
+    };
+    let toks = api.sc.tokenizers();
+    let Some(t) = toks.get(&b.model).cloned() else {
+        return err(
+            StatusCode::NOT_FOUND,
+            "no_tokenizer",
+            format!("no tokenizer is loaded for model {:?}", b.model),
+        );
+    };
+    let r = tokio::task::spawn_blocking(move || t.tokenize_request(chat, &b.body)).await;
+    match r {
+        Ok(Ok(ids)) => Json(json!({"model": b.model, "tokens": ids})).into_response(),
+        Ok(Err(e)) => err(StatusCode::UNPROCESSABLE_ENTITY, e.reason(), e),
+        Err(e) => err(StatusCode::INTERNAL_SERVER_ERROR, "internal", e),
+    }
+}
+
+/// Everything the status page shows (guarded like lookups: it reveals cache state).
+async fn status_h(State(api): State<Api>) -> Response {
+    Json(crate::status::snapshot(&api.sc)).into_response()
+}
+
+#[derive(serde::Deserialize)]
+struct DecisionsQuery {
+    #[serde(default)]
+    limit: Option<usize>,
+}
+
+/// The last decisions, newest first (guarded like lookups).
+async fn decisions_h(State(api): State<Api>, Query(q): Query<DecisionsQuery>) -> Response {
+    let n = q.limit.unwrap_or(50).min(crate::recent::RECENT);
+    Json(json!({"decisions": api.sc.recent.latest(n)})).into_response()
+}
+
+async fn pods_h(State(api): State<Api>) -> Response {
+    let now = std::time::Instant::now();
+    let v: Vec<_> = api
+        .sc
+        .registry()
+        .all()
+        .iter()
+        .map(|p| pod_json(&api.sc, p, now))
+        .collect();
+    Json(json!({"pods": v})).into_response()
+}
+
+async fn get_pod_h(State(api): State<Api>, Path(id): Path<String>) -> Response {
+    let p = api.sc.registry().get(&id);
+    match p {
+        Some(p) => Json(pod_json(&api.sc, &p, std::time::Instant::now())).into_response(),
+        None => err(StatusCode::NOT_FOUND, "unknown_pod", format!("no pod {id}")),
+    }
+}
+
+/// Every block the index holds for a pod (operators and tests: compare with the engine's
+/// own cache). Guarded like lookups.
+async fn pod_blocks_h(State(api): State<Api>, Path(id): Path<String>) -> Response {
+    let model = api.sc.registry().model_of(&id);
+    let Some(model) = model else {
+        return err(StatusCode::NOT_FOUND, "unknown_pod", format!("no pod {id}"));
+    };
+    let blocks = api
+        .sc
+        .indexes
+        .get(&model)
+        .and_then(|ix| ix.handle(&id).map(|h| ix.blocks_of(h)))
+        .unwrap_or_default();
+    Json(json!({"pod": id, "model": model, "blocks": blocks})).into_response()
+}
+
+async fn put_pod_h(State(api): State<Api>, Path(id): Path<String>, body: Bytes) -> Response {
+    let reg: PodRegistration = match parse(&body, "pod registration") {
+        Ok(r) => r,
+        Err(resp) => return resp,
+    };
+    match api.sc.register(&id, reg) {
+        Ok(()) => get_pod_h(State(api), Path(id)).await,
+        Err(e) => err(status_of(e.status()), e.reason(), e),
+    }
+}
+
+async fn delete_pod_h(State(api): State<Api>, Path(id): Path<String>) -> Response {
+    if api.sc.remove_pod(&id, "api") {
+        StatusCode::NO_CONTENT.into_response()
+    } else {
+        err(StatusCode::NOT_FOUND, "unknown_pod", format!("no pod {id}"))
+    }
+}
+
+async fn get_config_h(State(api): State<Api>) -> Response {
+    Json((*api.sc.config()).clone()).into_response()
+}
+
+async fn put_config_h(State(api): State<Api>, body: Bytes) -> Response {
+    let cfg: PolicyConfig = match serde_json::from_slice(&body) {
+        Ok(c) => c,
+        Err(e) => {
+            api.sc.metrics.config_rejected.inc();
+            return (
+                StatusCode::BAD_REQUEST,
+                Json(json!({"error": "invalid config", "problems": [e.to_string()]})),
+            )
+                .into_response();
+        }
+    };
+    let given = Some(cfg.version);
+    match api.sc.set_config(cfg, given) {
+        Ok(c) => Json((*c).clone()).into_response(),
+        Err(ConfigError::Invalid(problems)) => {
+            (StatusCode::BAD_REQUEST, Json(json!({"error": "invalid config", "problems": problems}))).into_response()
+        }
+        Err(ConfigError::VersionConflict { current, given }) => err(
+            StatusCode::CONFLICT,
+            "version_conflict",
+            format!("config version {given} is not the current one ({current}): GET it again and reapply your change"),
+        ),
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct LookupQuery {
+    model: String,
+    /// Comma-separated decimal hashes.
+    chain: String,
+}
+
+#[derive(serde::Deserialize)]
+struct LookupBody {
+    model: String,
+    chain: Vec<u64>,
+}
+
+async fn lookup_get_h(State(api): State<Api>, Query(q): Query<LookupQuery>) -> Response {
+    let chain: Result<Vec<u64>, _> = q
+        .chain
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(|s| s.trim().parse::<u64>())
+        .collect();
+    match chain {
+        Ok(c) => lookup(&api.sc, &q.model, &c),
+        Err(e) => err(
+            StatusCode::BAD_REQUEST,
+            "bad_chain",
+            format!("chain must be comma-separated u64: {e}"),
+        ),
+    }
+}
+
+async fn lookup_post_h(State(api): State<Api>, body: Bytes) -> Response {
+    match parse::<LookupBody>(&body, "lookup") {
+        Ok(b) => lookup(&api.sc, &b.model, &b.chain),
+        Err(resp) => resp,
+    }
+}
+
+/// What the index knows about a chain: confirmed and predicted depth per pod, and where
+/// the deepest confirmed pod holds its blocks. No decision is made.
+fn lookup(sc: &Sidecar, model: &str, chain: &[u64]) -> Response {
+    let confirmed = sc.indexes.get(model).map(|ix| {
+        ix.lookup(chain)
+            .into_iter()
+            .map(|m| json!({"pod": &*m.pod, "matched_blocks": m.depth, "tiers": ix.tier_hint(m.slot, chain, m.depth)}))
+            .collect::<Vec<_>>()
+    });
+    let predicted = sc.predicted.indexes.get(model).map(|ix| {
+        ix.lookup(chain)
+            .into_iter()
+            .map(|m| json!({"pod": &*m.pod, "matched_blocks": m.depth}))
+            .collect::<Vec<_>>()
+    });
+    Json(
+        json!({"model": model, "blocks": chain.len(), "confirmed": confirmed.unwrap_or_default(),
+                "predicted": predicted.unwrap_or_default()}),
+    )
+    .into_response()
+}
+
+async fn metrics_h(State(api): State<Api>) -> Response {
+    let body = api.sc.metrics.render(&api.sc.gauges());
+    ([("content-type", crate::metrics::CONTENT_TYPE)], body).into_response()
+}
+
+/// Only `/healthz` and `/readyz`, for a listener that kubelet probes on the pod's
+/// address while the API stays on loopback.
+pub fn health_router(api: Api) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready_h))
+        .with_state(api)
+}
+
+async fn ready_h(State(api): State<Api>) -> Response {
+    let nats_wanted = api
+        .sc
+        .nats_configured
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let nats_up = api.sc.metrics.nats_connected.get() == 1;
+    if nats_wanted && !nats_up {
+        // Still serving (from HTTP ingestion and predicted mode), but say so.
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"ready": false, "degraded": "nats disconnected"})),
+        )
+            .into_response();
+    }
+    Json(json!({"ready": true})).into_response()
+}

@@ -1,0 +1,255 @@
+//! Unit tests of the index's own behaviour; the oracle and concurrency tests are in
+//! sidecar/gateway/tests/index_*.rs.
+
+use super::*;
+use kvroute_shared::protocol::Tier;
+
+fn chain(seed: u64, n: usize) -> Vec<u64> {
+    let ns = kvroute_shared::Namespace {
+        mode: kvroute_shared::Mode::Tokens,
+        block_size: 4,
+        model: "m",
+        adapter: "",
+        cache_salt: "",
+    };
+    let toks: Vec<u32> = (0..n as u32 * 4)
+        .map(|t| t.wrapping_mul(seed as u32 + 1))
+        .collect();
+    ns.chain_tokens(&toks)
+}
+
+fn depths(ix: &ModelIndex, c: &[u64]) -> Vec<(String, u32)> {
+    ix.lookup(c)
+        .into_iter()
+        .map(|m| (m.pod.to_string(), m.depth))
+        .collect()
+}
+
+#[test]
+fn lookup_ranks_by_depth_in_both_strategies() {
+    let ix = ModelIndex::new(1 << 20);
+    let c = chain(1, 40);
+    let a = ix.join("a").expect("a");
+    let b = ix.join("b").expect("b");
+    let d = ix.join("d").expect("d");
+    ix.store(a, Tier::Gpu, &c[..30]).expect("store");
+    ix.store(b, Tier::Gpu, &c[..12]).expect("store");
+    ix.store(d, Tier::Gpu, &c[..40]).expect("store");
+    for s in [
+        Strategy::Linear,
+        Strategy::Binary,
+        Strategy::Auto { linear_max: 8 },
+    ] {
+        ix.set_strategy(s);
+        assert_eq!(
+            depths(&ix, &c),
+            [("d".into(), 40), ("a".into(), 30), ("b".into(), 12)],
+            "{s:?}"
+        );
+        assert_eq!(
+            depths(&ix, &c[..5]),
+            [("a".into(), 5), ("b".into(), 5), ("d".into(), 5)],
+            "{s:?}"
+        );
+        assert!(depths(&ix, &chain(2, 40)).is_empty());
+        assert!(depths(&ix, &[]).is_empty());
+    }
+}
+
+#[test]
+fn events_are_idempotent() {
+    let ix = ModelIndex::new(1 << 20);
+    let c = chain(3, 20);
+    let a = ix.join("a").expect("a");
+    assert_eq!(ix.store(a, Tier::Gpu, &c).expect("s").changed, 20);
+    assert_eq!(
+        ix.store(a, Tier::Gpu, &c).expect("s"),
+        Applied {
+            changed: 0,
+            unchanged: 20
+        }
+    );
+    assert_eq!(ix.pod_blocks(a), 20);
+    assert_eq!(ix.remove(a, Tier::Gpu, &c[10..]).expect("r").changed, 10);
+    assert_eq!(ix.remove(a, Tier::Gpu, &c[10..]).expect("r").changed, 0);
+    assert_eq!(ix.pod_blocks(a), 10);
+    assert_eq!(depths(&ix, &c), [("a".into(), 10)]);
+    assert_eq!(ix.join("a"), Ok(a), "join is idempotent");
+}
+
+#[test]
+fn retire_excludes_at_once_and_cleanup_frees_the_slot() {
+    let ix = ModelIndex::new(1 << 20);
+    let c = chain(4, 16);
+    let a = ix.join("a").expect("a");
+    let b = ix.join("b").expect("b");
+    ix.store(a, Tier::Gpu, &c).expect("s");
+    ix.store(b, Tier::Gpu, &c[..4]).expect("s");
+    let r = ix.retire("a").expect("retired");
+    assert_eq!(
+        depths(&ix, &c),
+        [("b".into(), 4)],
+        "phase 1 alone hides the pod"
+    );
+    assert_eq!(
+        ix.store(a, Tier::Gpu, &c),
+        Err(IndexError::Stale),
+        "no writes to a retired slot"
+    );
+    assert_eq!(ix.stats().draining_pods, 1);
+    assert_eq!(ix.cleanup(r), 16);
+    let st = ix.stats();
+    assert_eq!((st.entries, st.draining_pods, st.live_pods), (4, 0, 1));
+    // The slot is reused by a new pod, which inherits nothing.
+    let n = ix.join("new").expect("new");
+    assert_eq!(n.slot, a.slot);
+    assert_ne!(n.gen, a.gen);
+    assert_eq!(depths(&ix, &c), [("b".into(), 4)]);
+    assert!(ix.retire("nobody").is_none());
+}
+
+#[test]
+fn reset_moves_to_a_fresh_slot() {
+    let ix = ModelIndex::new(1 << 20);
+    let c = chain(5, 8);
+    let a = ix.join("a").expect("a");
+    ix.store(a, Tier::Gpu, &c).expect("s");
+    let (a2, old) = ix.reset("a").expect("reset");
+    assert_ne!(a2.slot, a.slot);
+    assert!(depths(&ix, &c).is_empty(), "old blocks are gone at once");
+    ix.store(a2, Tier::Gpu, &c[..2]).expect("s");
+    assert_eq!(depths(&ix, &c), [("a".into(), 2)]);
+    assert_eq!(ix.cleanup(old.expect("old slot")), 8);
+    assert_eq!(depths(&ix, &c), [("a".into(), 2)]);
+}
+
+#[test]
+fn the_257th_pod_is_refused_and_reset_still_works_when_full() {
+    let ix = ModelIndex::new(1 << 20);
+    for i in 0..256 {
+        ix.join(&format!("p{i}")).expect("fits");
+    }
+    assert!(matches!(ix.join("p256"), Err(IndexError::Full { .. })));
+    let c = chain(6, 4);
+    let h = ix.handle("p7").expect("p7");
+    ix.store(h, Tier::Gpu, &c).expect("s");
+    let (h2, old) = ix.reset("p7").expect("reset when full cleans in place");
+    assert!(old.is_none());
+    assert_eq!(h2.slot, h.slot);
+    assert_ne!(h2.gen, h.gen);
+    assert!(depths(&ix, &c).is_empty());
+    assert_eq!(ix.stats().live_pods, 256);
+}
+
+#[test]
+fn tiers_stay_off_the_index_but_shape_the_hint() {
+    let ix = ModelIndex::new(1 << 20);
+    let c = chain(7, 12);
+    let a = ix.join("a").expect("a");
+    ix.store(a, Tier::Gpu, &c).expect("s");
+    ix.store(a, Tier::Cpu, &c[8..]).expect("s"); // offloaded copies
+    ix.remove(a, Tier::Gpu, &c[10..]).expect("r"); // GPU copies evicted, CPU stays
+    assert_eq!(
+        depths(&ix, &c),
+        [("a".into(), 12)],
+        "a CPU-only block is still held"
+    );
+    let h = ix.tier_hint(a.slot, &c, 12);
+    assert_eq!((h.gpu, h.cpu), (10, 2));
+    ix.remove(a, Tier::Cpu, &c[10..]).expect("r");
+    assert_eq!(depths(&ix, &c), [("a".into(), 10)]);
+    ix.remove(a, Tier::Disk, &c).expect("no-op");
+    assert_eq!(depths(&ix, &c), [("a".into(), 10)]);
+    let h = ix.tier_hint(a.slot, &c, 10);
+    assert_eq!(
+        (h.gpu, h.cpu),
+        (10, 0),
+        "blocks in GPU and CPU count as GPU hits"
+    );
+}
+
+#[test]
+fn the_cap_bounds_entries() {
+    let ix = ModelIndex::new(256 * 4);
+    let a = ix.join("a").expect("a");
+    let c = chain(8, 20_000);
+    ix.store(a, Tier::Gpu, &c).expect("s");
+    let st = ix.stats();
+    assert!(st.entries <= 256 * 4, "entries {}", st.entries);
+    assert_eq!(st.evicted, 20_000 - st.entries);
+    assert_eq!(ix.pod_blocks(a), st.entries);
+}
+
+#[test]
+fn binary_search_on_holes_never_underestimates() {
+    let ix = ModelIndex::new(1 << 20);
+    let c = chain(9, 64);
+    let a = ix.join("a").expect("a");
+    ix.store(a, Tier::Gpu, &c).expect("s");
+    ix.remove(a, Tier::Gpu, &c[5..6]).expect("hole at 5");
+    ix.set_strategy(Strategy::Linear);
+    assert_eq!(depths(&ix, &c), [("a".into(), 5)], "exact: first miss");
+    ix.set_strategy(Strategy::Binary);
+    let d = depths(&ix, &c)[0].1;
+    assert!(d >= 5, "binary {d}");
+    assert!(d == 64 || !ix.holders(c[d as usize]).contains(a.slot));
+    assert!(ix.holders(c[d as usize - 1]).contains(a.slot));
+}
+
+/// A chain whose first block nobody holds is answered after one table probe, whatever
+/// its length and the strategy.
+#[test]
+fn a_miss_costs_one_probe() {
+    let ix = ModelIndex::new(1 << 20);
+    let a = ix.join("10.0.0.1:8000").expect("join");
+    let held = chain(1, 128);
+    ix.store(a, Tier::Gpu, &held).expect("store");
+    let miss = chain(2, 128);
+    for s in [
+        Strategy::default(),
+        Strategy::Memo,
+        Strategy::Kary,
+        Strategy::Binary,
+        Strategy::Linear,
+    ] {
+        ix.set_strategy(s);
+        let before = super::lookup::PROBES.with(|p| p.get());
+        assert!(ix.lookup(&miss).is_empty());
+        let probes = super::lookup::PROBES.with(|p| p.get()) - before;
+        assert_eq!(probes, 1, "{s:?}");
+        // And a hit still finds the whole chain.
+        assert_eq!(
+            ix.lookup(&held).first().map(|m| m.depth),
+            Some(128),
+            "{s:?}"
+        );
+    }
+}
+
+/// A chain looked up again is settled in one round: its first block and the two sides
+/// of each remembered depth, probed together.
+#[test]
+fn a_repeat_lookup_takes_one_round() {
+    let ix = ModelIndex::new(1 << 20);
+    let a = ix.join("10.0.0.1:8000").expect("join");
+    let b = ix.join("10.0.0.2:8000").expect("join");
+    let c = chain(3, 128);
+    ix.store(a, Tier::Gpu, &c).expect("store");
+    ix.store(b, Tier::Gpu, &c[..40]).expect("store");
+    let depths = |ix: &ModelIndex| -> Vec<u32> { ix.lookup(&c).iter().map(|m| m.depth).collect() };
+    let count = |ix: &ModelIndex| {
+        let before = super::lookup::PROBES.with(|p| p.get());
+        let d = depths(ix);
+        (d, super::lookup::PROBES.with(|p| p.get()) - before)
+    };
+    let (cold, cold_probes) = count(&ix);
+    assert_eq!(cold, vec![128, 40]);
+    let (warm, warm_probes) = count(&ix);
+    assert_eq!(warm, vec![128, 40]);
+    // First block + {40, 41} + {128}: four probes in one batch.
+    assert_eq!(warm_probes, 4, "cold took {cold_probes}");
+    // The memo is a guess: when b's prefix grows, the answer follows the index.
+    ix.store(b, Tier::Gpu, &c[40..90]).expect("store");
+    assert_eq!(depths(&ix), vec![128, 90]);
+    assert_eq!(depths(&ix), vec![128, 90]);
+}

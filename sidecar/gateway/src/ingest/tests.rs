@@ -1,0 +1,259 @@
+//! Hostile batches: each is refused with its label and leaves nothing behind.
+use super::*;
+use crate::registry::{dump_url_on_pod, MAX_MODELS, MAX_PODS};
+use kvroute_shared::protocol::{Event, PolicyConfig};
+
+fn batch(pod: &str, model: &str, epoch: &str, seq: u64, events: Vec<Event>) -> EventBatch {
+    EventBatch::new(pod, model, epoch, seq, events)
+}
+
+fn stored(blocks: &[u64]) -> Event {
+    Event::Stored {
+        tier: Default::default(),
+        parent: None,
+        blocks: blocks.to_vec(),
+        tokens: None,
+    }
+}
+
+#[test]
+fn a_pod_that_is_not_an_ip_and_port_allocates_nothing() {
+    let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+    let locks = Recovery::default();
+    for pod in [
+        "pod-a.ns.svc:8000",
+        "10.0.0.1",
+        "10.0.0.1:99999",
+        "x\n:1",
+        "",
+    ] {
+        let r = ingest(&sc, &locks, &batch(pod, "m", "e", 0, vec![stored(&[1])]));
+        assert_eq!(r.map_err(|e| e.reason()), Err("bad_pod"), "{pod:?}");
+    }
+    assert!(sc.registry().all().is_empty());
+    assert_eq!(locks.streams(), 0);
+    assert!(sc.indexes.all().is_empty(), "no model index was created");
+}
+
+#[test]
+fn a_sequence_number_pushed_to_the_end_of_the_range_cannot_freeze_a_pod() {
+    let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+    let locks = Recovery::default();
+    let pod = "10.0.0.1:8000";
+    ingest(&sc, &locks, &batch(pod, "m", "e", 0, vec![stored(&[1])])).expect("first");
+    let forged = batch(pod, "m", "e", u64::MAX, vec![Event::Cleared]);
+    assert_eq!(
+        ingest(&sc, &locks, &forged).map_err(|e| e.reason()),
+        Err("seq_jump")
+    );
+    // The engine's next real batch is applied, not dropped as a duplicate.
+    let next = ingest(&sc, &locks, &batch(pod, "m", "e", 1, vec![stored(&[2])])).expect("next");
+    assert!(!next.duplicate && next.blocks_changed == 1, "{next:?}");
+    let ix = sc.indexes.get("m").expect("index");
+    assert_eq!(ix.lookup(&[1]).len(), 1, "the forged batch cleared nothing");
+}
+
+#[test]
+fn forged_models_and_pods_are_capped() {
+    let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+    let locks = Recovery::default();
+    for i in 0..MAX_MODELS + 10 {
+        let pod = format!("10.1.{}.{}:8000", i / 200, i % 200 + 1);
+        let r = ingest(
+            &sc,
+            &locks,
+            &batch(&pod, &format!("model-{i}"), "e", 0, vec![]),
+        );
+        if i < MAX_MODELS {
+            r.expect("under the cap");
+        } else {
+            assert_eq!(r.map_err(|e| e.reason()), Err("model_cap"));
+        }
+    }
+    assert_eq!(sc.indexes.all().len(), MAX_MODELS);
+    let mut refused = 0;
+    for i in 0..MAX_PODS + 10 {
+        let pod = format!("10.2.{}.{}:8000", i / 250, i % 250 + 1);
+        if let Err(e) = ingest(&sc, &locks, &batch(&pod, "model-0", "e", 0, vec![])) {
+            // Full index slots (256 per model) or the registry cap: either way refused.
+            assert!(matches!(e.reason(), "pod_cap" | "model_full"), "{e}");
+            refused += 1;
+        }
+    }
+    assert!(refused > 0);
+    // Every pod in the registry holds an index slot: refused ones left nothing.
+    let ix = sc.indexes.get("model-0").expect("index");
+    let pods = sc.registry().all();
+    assert!(pods.len() <= MAX_PODS);
+    let of_model_0 = pods.iter().filter(|p| p.reg.model == "model-0").count();
+    assert_eq!(of_model_0, ix.pods().len());
+}
+
+#[test]
+fn a_batch_can_only_name_a_dump_on_its_own_pod() {
+    assert!(dump_url_on_pod(
+        "http://10.0.0.7:9400/dump",
+        "10.0.0.7:8000"
+    ));
+    assert!(dump_url_on_pod(
+        "https://[fd00::7]:9400/d",
+        "[fd00::7]:8000"
+    ));
+    for bad in [
+        "http://169.254.169.254/latest/meta-data/",
+        "http://10.0.0.8:9400/dump",
+        "http://localhost:9400/dump",
+        "file:///etc/passwd",
+        "gopher://10.0.0.7:70/",
+        "http://user@10.0.0.7:9400/dump",
+        "not a url",
+    ] {
+        assert!(!dump_url_on_pod(bad, "10.0.0.7:8000"), "{bad}");
+    }
+    // An unregistered pod's batch naming a dump elsewhere: the URL is not taken.
+    let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+    let locks = Recovery::default();
+    let mut b = batch("10.0.0.7:8000", "m", "e", 0, vec![stored(&[1])]);
+    b.dump_url = Some("http://169.254.169.254/".into());
+    ingest(&sc, &locks, &b).expect("the events still count");
+    assert_eq!(
+        sc.registry()
+            .get("10.0.0.7:8000")
+            .and_then(|p| p.reg.dump_url.clone()),
+        None
+    );
+    assert_eq!(sc.metrics.events_rejected.get("dump_url_elsewhere"), 1);
+}
+
+#[test]
+fn a_dump_for_a_removed_pod_does_not_bring_it_back() {
+    let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+    let locks = Recovery::default();
+    let pod = "10.0.0.7:8000";
+    ingest(&sc, &locks, &batch(pod, "m", "e", 0, vec![stored(&[1])])).expect("first");
+    assert!(sc.remove_pod(pod, "api"));
+    let dump = batch(pod, "m", "e", 5, vec![stored(&[1, 2, 3])]);
+    assert_eq!(
+        apply_dump(&sc, &locks, pod, &dump).map_err(|e| e.reason()),
+        Err("removed_pod")
+    );
+    let ix = sc.indexes.get("m").expect("index");
+    assert!(ix.handle(pod).is_none(), "no slot for the removed pod");
+    assert!(ix.lookup(&[1, 2, 3]).is_empty());
+}
+
+#[test]
+fn one_resync_per_pod_is_queued() {
+    let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+    let (rec, mut resyncs) = Recovery::new();
+    let job = |pod: &str| ResyncJob {
+        pod: Arc::from(pod),
+        model: "m".into(),
+        url: format!("http://{pod}/dump"),
+    };
+    for _ in 0..100 {
+        rec.queue_resync(&sc, job("10.0.0.7:8000"));
+    }
+    rec.queue_resync(&sc, job("10.0.0.8:8000"));
+    let mut queued = 0;
+    while resyncs.try_recv().is_ok() {
+        queued += 1;
+    }
+    assert_eq!(queued, 2);
+    assert_eq!(sc.metrics.resyncs.get("already_queued"), 99);
+    rec.resync_done("10.0.0.7:8000");
+    rec.queue_resync(&sc, job("10.0.0.7:8000"));
+    assert!(
+        resyncs.try_recv().is_ok(),
+        "after it is done, it may be asked again"
+    );
+}
+
+/// Batches applied between the dump's snapshot and its application are not erased by
+/// the reset: a block removed after the snapshot stays removed, one stored stays.
+#[test]
+fn a_resync_keeps_the_batches_that_came_after_the_dump() {
+    let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+    let (locks, mut resyncs) = Recovery::new();
+    let pod = "10.0.0.7:8000";
+    let mut first = batch(pod, "m", "e", 0, vec![stored(&[1, 2])]);
+    first.dump_url = Some("http://10.0.0.7:9400/dump".into());
+    ingest(&sc, &locks, &first).expect("first");
+    // Seq 1 is lost: a gap, a resync is queued.
+    let gap = ingest(&sc, &locks, &batch(pod, "m", "e", 2, vec![stored(&[3])])).expect("gap");
+    assert!(gap.gap);
+    assert!(resyncs.try_recv().is_ok(), "resync queued");
+    // While the dump is fetched: block 1 is evicted, block 4 stored.
+    ingest(
+        &sc,
+        &locks,
+        &batch(pod, "m", "e", 3, vec![removed_ev(&[1])]),
+    )
+    .expect("3");
+    ingest(&sc, &locks, &batch(pod, "m", "e", 4, vec![stored(&[4])])).expect("4");
+    // The dump is the cache as of seq 2: blocks 1, 2, 3 (and 9, stored at the lost seq 1).
+    let dump = batch(pod, "m", "e", 2, vec![stored(&[1, 2, 3, 9])]);
+    apply_dump(&sc, &locks, pod, &dump).expect("dump");
+    let ix = sc.indexes.get("m").expect("index");
+    let held = |b: u64| !ix.lookup(&[b]).is_empty();
+    assert!(!held(1), "removed after the snapshot: must not come back");
+    assert!(held(2) && held(3) && held(9) && held(4));
+    assert_eq!(sc.metrics.resyncs.get("replayed_batches"), 2);
+    // The next batch continues the stream.
+    let next = ingest(&sc, &locks, &batch(pod, "m", "e", 5, vec![stored(&[5])])).expect("5");
+    assert!(!next.gap && !next.duplicate);
+}
+
+fn removed_ev(blocks: &[u64]) -> Event {
+    Event::Removed {
+        tier: Default::default(),
+        blocks: blocks.to_vec(),
+    }
+}
+
+/// Batches racing DELETEs: whenever the pod is gone from the registry, it holds no index
+/// slot either (no orphan slot counts against the model's 256).
+#[test]
+fn a_removal_racing_a_batch_leaves_no_orphan_slot() {
+    let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+    let locks = Recovery::default();
+    let pod = "10.0.0.9:8000";
+    for i in 0..300u64 {
+        let b = batch(pod, "m", &format!("e{i}"), 0, vec![stored(&[i + 1])]);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let _ = ingest(&sc, &locks, &b);
+            });
+            s.spawn(|| {
+                sc.remove_pod(pod, "api");
+            });
+        });
+        let registered = sc.registry().contains(pod);
+        let slot = sc.indexes.get("m").and_then(|ix| ix.handle(pod));
+        assert_eq!(
+            registered,
+            slot.is_some(),
+            "round {i}: registered {registered}, slot {slot:?}"
+        );
+    }
+}
+
+/// An engine that reports `u32::MAX` running and waiting looks as busy as it says, not
+/// idle (the sum used to wrap in release builds).
+#[test]
+fn an_absurd_engine_load_saturates_instead_of_wrapping() {
+    let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+    let locks = Recovery::default();
+    let pod = "10.0.0.7:8000";
+    let load = Event::Load {
+        running: u32::MAX,
+        waiting: u32::MAX,
+        kv_usage: 0.5,
+        capacity_blocks: None,
+    };
+    ingest(&sc, &locks, &batch(pod, "m", "e", 0, vec![load])).expect("load");
+    let now = std::time::Instant::now();
+    let p = sc.registry().get(pod).expect("pod");
+    let v = p.load_view(crate::policy::LoadView::default(), now);
+    assert_eq!(v.inflight, u32::MAX);
+}

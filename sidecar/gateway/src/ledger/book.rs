@@ -1,0 +1,137 @@
+//! The ledger's book: the state behind its one mutex and the few operations that keep
+//! its sums consistent (per-pod totals of other replicas' shares, per-prefix counts that
+//! vanish at zero). Only [`super::Ledger`] touches it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvroute_shared::protocol::PolicyConfig;
+
+use super::{clock, Decision};
+use crate::policy::{LoadView, PrefillHorizon, RecentWork};
+
+/// Another replica's decision on one pod.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct RemoteShare {
+    pub(super) at: Instant,
+    pub(super) prefill_tokens: u64,
+    pub(super) blocks: u64,
+    pub(super) prefix: Option<u64>,
+    pub(super) inflight: bool,
+}
+
+#[derive(Default, Debug)]
+pub(super) struct PodLoad {
+    pub(super) horizon: PrefillHorizon,
+    pub(super) decode_blocks: u64,
+    pub(super) inflight: u32,
+    pub(super) recent: RecentWork,
+    pub(super) remote: HashMap<(String, String), RemoteShare>,
+    /// Sums over `remote`, kept with it so a route reads them in O(1).
+    pub(super) remote_blocks: u64,
+    pub(super) remote_inflight: u32,
+}
+
+#[derive(Default)]
+pub(super) struct Book {
+    pub(super) pods: HashMap<Arc<str>, PodLoad>,
+    pub(super) decisions: HashMap<u64, Decision>,
+    /// In-flight requests per routing prefix and pod; an entry lives while it is > 0.
+    pub(super) prefixes: HashMap<u64, HashMap<Arc<str>, u32>>,
+}
+
+impl Book {
+    pub(super) fn pod(&mut self, id: &Arc<str>) -> &mut PodLoad {
+        self.pods.entry(id.clone()).or_default()
+    }
+
+    pub(super) fn prefix_add(&mut self, k: u64, pod: &Arc<str>) {
+        *self
+            .prefixes
+            .entry(k)
+            .or_default()
+            .entry(pod.clone())
+            .or_insert(0) += 1;
+    }
+
+    pub(super) fn prefix_release(&mut self, k: u64, pod: &str) {
+        if let Some(per_pod) = self.prefixes.get_mut(&k) {
+            if let Some(n) = per_pod.get_mut(pod) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    per_pod.remove(pod);
+                }
+            }
+            if per_pod.is_empty() {
+                self.prefixes.remove(&k);
+            }
+        }
+    }
+
+    /// Undo a local decision's load (it has left `decisions` already).
+    pub(super) fn unload(&mut self, d: &Decision, now: f64, tps: f64) {
+        let cache = d.cache_pod().clone();
+        if let Some(p) = self.pods.get_mut(&cache) {
+            p.horizon.release(now, d.placement.prefill_tokens, tps);
+        }
+        if let Some(p) = self.pods.get_mut(&d.placement.pod) {
+            p.decode_blocks = p.decode_blocks.saturating_sub(d.placement.blocks);
+            p.inflight = p.inflight.saturating_sub(1);
+        }
+        if let Some(k) = d.placement.prefix {
+            self.prefix_release(k, &d.placement.pod);
+        }
+    }
+
+    pub(super) fn remote_remove(
+        &mut self,
+        pod: &Arc<str>,
+        key: &(String, String),
+        now: f64,
+        tps: f64,
+    ) {
+        let Some(p) = self.pods.get_mut(pod) else {
+            return;
+        };
+        let Some(r) = p.remote.remove(key) else {
+            return;
+        };
+        p.horizon.release(now, r.prefill_tokens, tps);
+        p.remote_blocks = p.remote_blocks.saturating_sub(r.blocks);
+        if r.inflight {
+            p.remote_inflight = p.remote_inflight.saturating_sub(1);
+        }
+        if let Some(k) = r.prefix {
+            self.prefix_release(k, pod);
+        }
+    }
+}
+
+pub(super) fn view_of(
+    book: &Book,
+    pod: &str,
+    prefix: Option<u64>,
+    now: Instant,
+    cfg: &PolicyConfig,
+) -> LoadView {
+    let t = clock(now);
+    let prefix_inflight = prefix
+        .and_then(|k| book.prefixes.get(&k))
+        .and_then(|m| m.get(pod).copied())
+        .unwrap_or(0);
+    match book.pods.get(pod) {
+        Some(p) => LoadView {
+            pending_prefill_tokens: p.horizon.pending(t, cfg.prefill_tokens_per_s),
+            decode_blocks: p.decode_blocks + p.remote_blocks,
+            inflight: p.inflight + p.remote_inflight,
+            queued: 0,
+            prefix_inflight,
+            recent_blocks: p.recent.value(t, cfg.home_window_s),
+        },
+        None => LoadView {
+            prefix_inflight,
+            ..LoadView::default()
+        },
+    }
+}

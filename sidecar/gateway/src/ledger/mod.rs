@@ -1,0 +1,437 @@
+//! The load ledger: the one owner of projected load — what the router has sent to each
+//! pod and not yet seen finish. It holds this replica's outstanding decisions, other
+//! replicas' decisions (their load deltas), in-flight requests per routing prefix, the
+//! prefill horizon and the recent work of every pod.
+//!
+//! Its rules, kept here and nowhere else:
+//! - a decision is added once, under an id the ledger issues (never a client's header),
+//!   and released at most once — by its report, its timeout, or its pod's removal;
+//! - every add of another replica's decision is keyed by (replica, id): a repeat is
+//!   ignored and a release undoes exactly the add it names;
+//! - a pod's entry goes with the pod ([`Ledger::forget_pod`]), with every decision on it.
+//!
+//! One mutex over all of it: a route reads the views of all candidates and commits its
+//! decision in one short critical section, so the projection it read is the one it
+//! changes. Lock order: the pod registry first, then the ledger (see
+//! docs/architecture.md); nothing here calls out while holding it.
+//!
+//! Every method takes `now`, so the simulator drives it on a virtual clock.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvroute_shared::protocol::{LoadDelta, LoadOp, PolicyConfig};
+use parking_lot::Mutex;
+
+use crate::policy::LoadView;
+
+mod book;
+#[cfg(test)]
+mod tests;
+
+use book::{view_of, Book, RemoteShare};
+
+/// Seconds on a process-wide monotonic clock, the time base of
+/// [`crate::policy::PrefillHorizon`] and [`crate::policy::RecentWork`].
+pub fn clock(now: Instant) -> f64 {
+    now.checked_duration_since(clock_origin())
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// The instant [`clock`] counts from (fixed at its first use). A simulator that starts
+/// its virtual time here gets the same clock readings on every run.
+pub fn clock_origin() -> Instant {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *START.get_or_init(Instant::now)
+}
+
+/// Where a route placed a request and what it costs there, as the route hands it to
+/// the ledger.
+#[derive(Clone, Debug)]
+pub struct Placement {
+    pub model: String,
+    /// The pod that serves (decodes) the request.
+    pub pod: Arc<str>,
+    /// A separate pod that prefills and caches the prompt (disaggregated models).
+    pub prefill_pod: Option<Arc<str>>,
+    /// Prompt tokens the cache pod must prefill.
+    pub prefill_tokens: u64,
+    /// Prompt blocks (the decode pod holds them while the request runs).
+    pub blocks: u64,
+    /// The cached prefix the request was routed by (its last block).
+    pub prefix: Option<u64>,
+    /// Tokens the router expected the engine to find cached.
+    pub expected_cached: u64,
+    /// The cache pod's residency was a guess (predicted mode).
+    pub predicted: bool,
+    pub chain_blocks: u64,
+}
+
+/// An outstanding decision of this replica.
+#[derive(Clone, Debug)]
+pub struct Decision {
+    pub id: u64,
+    pub at: Instant,
+    pub placement: Placement,
+}
+
+impl Decision {
+    /// The pod that prefills and caches the prompt.
+    pub fn cache_pod(&self) -> &Arc<str> {
+        self.placement
+            .prefill_pod
+            .as_ref()
+            .unwrap_or(&self.placement.pod)
+    }
+}
+
+/// How a decision's load was released (a metric label).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Release {
+    Report,
+    Timeout,
+}
+
+impl Release {
+    pub fn label(self) -> &'static str {
+        match self {
+            Release::Report => "report",
+            Release::Timeout => "timeout",
+        }
+    }
+}
+
+pub struct Ledger {
+    book: Mutex<Book>,
+    /// This replica's id: names its decisions to the others and to the filter.
+    replica: String,
+    next: std::sync::atomic::AtomicU64,
+    /// Deltas are built for other replicas (someone publishes them); off, the ledger's
+    /// methods return none and a route allocates nothing for them.
+    announce: std::sync::atomic::AtomicBool,
+    /// When another replica's delta last arrived, as nanoseconds on [`clock`] (0: never);
+    /// read on every route, so outside the book's lock.
+    peer_seen_ns: std::sync::atomic::AtomicU64,
+}
+
+/// Another replica is taken to share our pods while its deltas arrived this recently.
+const PEER_FRESH: Duration = Duration::from_secs(30);
+
+impl Ledger {
+    pub fn new(replica: String) -> Ledger {
+        Ledger {
+            book: Mutex::new(Book::default()),
+            replica,
+            next: std::sync::atomic::AtomicU64::new(1),
+            announce: std::sync::atomic::AtomicBool::new(false),
+            peer_seen_ns: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// Build deltas for other replicas from now on (`on`), or stop.
+    pub fn set_announce(&self, on: bool) {
+        self.announce
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn replica(&self) -> &str {
+        &self.replica
+    }
+
+    /// The id the filter echoes in its report: `<replica>-<n>`, so a report from before
+    /// a restart (another replica id) can never release a new decision.
+    pub fn external_id(&self, id: u64) -> String {
+        format!("{}-{id}", self.replica)
+    }
+
+    /// The decision an external id names, if it is one of this replica's.
+    pub fn parse_id(&self, s: &str) -> Option<u64> {
+        let (replica, n) = s.rsplit_once('-')?;
+        (replica == self.replica).then(|| n.parse().ok()).flatten()
+    }
+
+    /// The projected part of a pod's load view (the registry adds the engine's own
+    /// report); `prefix` is the routing prefix of the request being routed.
+    pub fn view(
+        &self,
+        pod: &str,
+        prefix: Option<u64>,
+        now: Instant,
+        cfg: &PolicyConfig,
+    ) -> LoadView {
+        let book = self.book.lock();
+        view_of(&book, pod, prefix, now, cfg)
+    }
+
+    /// Views of several pods in one critical section.
+    pub fn views(
+        &self,
+        pods: &[Arc<str>],
+        prefix: Option<u64>,
+        now: Instant,
+        cfg: &PolicyConfig,
+    ) -> Vec<LoadView> {
+        let book = self.book.lock();
+        pods.iter()
+            .map(|p| view_of(&book, p, prefix, now, cfg))
+            .collect()
+    }
+
+    /// Add a decision's load; returns its id and the deltas to broadcast.
+    pub fn commit(
+        &self,
+        placement: Placement,
+        now: Instant,
+        cfg: &PolicyConfig,
+    ) -> (u64, Vec<LoadDelta>) {
+        let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let t = clock(now);
+        let dec = Decision {
+            id,
+            at: now,
+            placement,
+        };
+        let mut book = self.book.lock();
+        let cache = dec.cache_pod().clone();
+        {
+            let p = book.pod(&cache);
+            p.horizon
+                .add(t, dec.placement.prefill_tokens, cfg.prefill_tokens_per_s);
+            p.recent.add(t, dec.placement.blocks, cfg.home_window_s);
+        }
+        {
+            let p = book.pod(&dec.placement.pod);
+            p.decode_blocks += dec.placement.blocks;
+            p.inflight += 1;
+        }
+        if let Some(k) = dec.placement.prefix {
+            book.prefix_add(k, &dec.placement.pod);
+        }
+        let deltas = self.deltas(&dec, LoadOp::Add);
+        book.decisions.insert(id, dec);
+        (id, deltas)
+    }
+
+    /// Release a decision once; `None` if it is not outstanding (released already,
+    /// expired, its pod removed, or never ours).
+    pub fn release(
+        &self,
+        id: u64,
+        now: Instant,
+        cfg: &PolicyConfig,
+    ) -> Option<(Decision, Vec<LoadDelta>)> {
+        let mut book = self.book.lock();
+        let d = book.decisions.remove(&id)?;
+        book.unload(&d, clock(now), cfg.prefill_tokens_per_s);
+        let deltas = self.deltas(&d, LoadOp::Release);
+        Some((d, deltas))
+    }
+
+    /// Release everything older than `timeout`: this replica's decisions whose report
+    /// never came, and other replicas' whose release never came (that replica died).
+    pub fn expire(
+        &self,
+        now: Instant,
+        timeout: Duration,
+        cfg: &PolicyConfig,
+    ) -> (Vec<Decision>, Vec<LoadDelta>) {
+        let (t, tps) = (clock(now), cfg.prefill_tokens_per_s);
+        let mut book = self.book.lock();
+        let old: Vec<u64> = book
+            .decisions
+            .values()
+            .filter(|d| now.saturating_duration_since(d.at) > timeout)
+            .map(|d| d.id)
+            .collect();
+        let mut gone = Vec::with_capacity(old.len());
+        let mut deltas = Vec::new();
+        for id in old {
+            if let Some(d) = book.decisions.remove(&id) {
+                book.unload(&d, t, tps);
+                deltas.extend(self.deltas(&d, LoadOp::Release));
+                gone.push(d);
+            }
+        }
+        let stale: Vec<(Arc<str>, (String, String))> = book
+            .pods
+            .iter()
+            .flat_map(|(id, p)| {
+                p.remote
+                    .iter()
+                    .filter(|(_, r)| now.saturating_duration_since(r.at) > timeout)
+                    .map(move |(k, _)| (id.clone(), k.clone()))
+            })
+            .collect();
+        for (pod, key) in stale {
+            book.remote_remove(&pod, &key, t, tps);
+        }
+        (gone, deltas)
+    }
+
+    /// Apply another replica's delta for a pod the caller knows. Returns whether it
+    /// changed anything (a repeated add or an unknown release does not).
+    pub fn apply_remote(
+        &self,
+        pod: &Arc<str>,
+        l: &LoadDelta,
+        now: Instant,
+        cfg: &PolicyConfig,
+    ) -> bool {
+        if l.replica == self.replica {
+            return false;
+        }
+        let (t, tps) = (clock(now), cfg.prefill_tokens_per_s);
+        let key = (l.replica.clone(), l.id.clone());
+        let mut book = self.book.lock();
+        self.peer_seen_ns.fetch_max(
+            ((t * 1e9) as u64).max(1),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        match l.op {
+            LoadOp::Add => {
+                if book
+                    .pods
+                    .get(pod)
+                    .is_some_and(|p| p.remote.contains_key(&key))
+                {
+                    return false;
+                }
+                let share = RemoteShare {
+                    at: now,
+                    prefill_tokens: l.prefill_tokens,
+                    blocks: l.blocks,
+                    prefix: l.prefix.filter(|_| l.inflight),
+                    inflight: l.inflight,
+                };
+                if let Some(k) = share.prefix {
+                    book.prefix_add(k, pod);
+                }
+                let p = book.pod(pod);
+                p.horizon.add(t, l.prefill_tokens, tps);
+                p.recent.add(t, l.blocks, cfg.home_window_s);
+                p.remote_blocks += share.blocks;
+                if share.inflight {
+                    p.remote_inflight += 1;
+                }
+                p.remote.insert(key, share);
+                true
+            }
+            LoadOp::Release => {
+                let had = book
+                    .pods
+                    .get(pod)
+                    .is_some_and(|p| p.remote.contains_key(&key));
+                book.remote_remove(pod, &key, t, tps);
+                had
+            }
+        }
+    }
+
+    /// A pod left the registry: its load goes, and so does every decision it serves
+    /// (their releases are broadcast); a decision it only prefilled keeps its decode
+    /// share elsewhere.
+    pub fn forget_pod(&self, pod: &str, now: Instant, cfg: &PolicyConfig) -> Vec<LoadDelta> {
+        let (t, tps) = (clock(now), cfg.prefill_tokens_per_s);
+        let mut book = self.book.lock();
+        let serving: Vec<u64> = book
+            .decisions
+            .values()
+            .filter(|d| &*d.placement.pod == pod)
+            .map(|d| d.id)
+            .collect();
+        let mut deltas = Vec::new();
+        for id in serving {
+            if let Some(d) = book.decisions.remove(&id) {
+                book.unload(&d, t, tps);
+                deltas.extend(self.deltas(&d, LoadOp::Release));
+            }
+        }
+        for d in book.decisions.values_mut() {
+            if d.placement.prefill_pod.as_deref() == Some(pod) {
+                d.placement.prefill_pod = None;
+                d.placement.prefill_tokens = 0;
+            }
+        }
+        book.pods.remove(pod);
+        book.prefixes.retain(|_, per_pod| {
+            per_pod.remove(pod);
+            !per_pod.is_empty()
+        });
+        deltas
+    }
+
+    /// Other replicas route to the same pods (their deltas arrived lately).
+    pub fn has_peers(&self, now: Instant) -> bool {
+        let seen = self.peer_seen_ns.load(std::sync::atomic::Ordering::Relaxed);
+        seen > 0 && clock(now) - (seen as f64 / 1e9) < PEER_FRESH.as_secs_f64()
+    }
+
+    /// Outstanding decisions of this replica.
+    pub fn outstanding(&self) -> usize {
+        self.book.lock().decisions.len()
+    }
+
+    /// In-flight requests routed by prefix `k`, per pod (tests and the API).
+    pub fn prefix_inflight(&self, k: u64) -> HashMap<Arc<str>, u32> {
+        self.book
+            .lock()
+            .prefixes
+            .get(&k)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Routing prefixes with requests in flight.
+    pub fn prefixes_in_flight(&self) -> usize {
+        self.book.lock().prefixes.len()
+    }
+
+    /// Other replicas' decisions held for `pod`.
+    pub fn remote_count(&self, pod: &str) -> usize {
+        self.book.lock().pods.get(pod).map_or(0, |p| p.remote.len())
+    }
+
+    /// The deltas that tell other replicas about `d` (one per pod it loads).
+    fn deltas(&self, d: &Decision, op: LoadOp) -> Vec<LoadDelta> {
+        if !self.announce.load(std::sync::atomic::Ordering::Relaxed) {
+            return Vec::new();
+        }
+        let id = self.external_id(d.id);
+        let mut v = Vec::with_capacity(2);
+        let split = d
+            .placement
+            .prefill_pod
+            .as_ref()
+            .filter(|p| **p != d.placement.pod);
+        v.push(LoadDelta {
+            replica: self.replica.clone(),
+            id: id.clone(),
+            pod: d.placement.pod.to_string(),
+            model: d.placement.model.clone(),
+            op,
+            prefill_tokens: if split.is_some() {
+                0
+            } else {
+                d.placement.prefill_tokens
+            },
+            blocks: d.placement.blocks,
+            prefix: d.placement.prefix,
+            inflight: true,
+        });
+        if let Some(pp) = split {
+            v.push(LoadDelta {
+                replica: self.replica.clone(),
+                id: format!("{id}#prefill"),
+                pod: pp.to_string(),
+                model: d.placement.model.clone(),
+                op,
+                prefill_tokens: d.placement.prefill_tokens,
+                blocks: 0,
+                prefix: None,
+                inflight: false,
+            });
+        }
+        v
+    }
+}

@@ -1,0 +1,151 @@
+//! The ledger's rules, one test each.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvroute_shared::protocol::{LoadOp, PolicyConfig};
+
+use super::*;
+
+/// A ledger whose deltas are published (as with NATS configured).
+fn ledger(replica: &str) -> Ledger {
+    let l = Ledger::new(replica.into());
+    l.set_announce(true);
+    l
+}
+
+fn decision(pod: &str, prefill_pod: Option<&str>, prefix: Option<u64>) -> Placement {
+    Placement {
+        model: "m".into(),
+        pod: Arc::from(pod),
+        prefill_pod: prefill_pod.map(Arc::from),
+        prefill_tokens: 1000,
+        blocks: 10,
+        prefix,
+        expected_cached: 0,
+        predicted: false,
+        chain_blocks: 10,
+    }
+}
+
+#[test]
+fn a_decision_is_released_once_and_leaves_nothing_behind() {
+    let (l, cfg, now) = (ledger("r1"), PolicyConfig::default(), Instant::now());
+    let (id, adds) = l.commit(decision("a:1", None, Some(7)), now, &cfg);
+    assert_eq!(adds.len(), 1);
+    let v = l.view("a:1", Some(7), now, &cfg);
+    assert_eq!((v.inflight, v.decode_blocks, v.prefix_inflight), (1, 10, 1));
+    assert!(v.pending_prefill_tokens > 0);
+    assert!(l.release(id, now, &cfg).is_some());
+    assert!(
+        l.release(id, now, &cfg).is_none(),
+        "a second release is refused"
+    );
+    let v = l.view("a:1", Some(7), now, &cfg);
+    assert_eq!(
+        (
+            v.inflight,
+            v.decode_blocks,
+            v.prefix_inflight,
+            v.pending_prefill_tokens
+        ),
+        (0, 0, 0, 0)
+    );
+    assert_eq!(l.outstanding(), 0);
+    assert_eq!(l.prefixes_in_flight(), 0);
+}
+
+#[test]
+fn external_ids_name_only_this_replicas_decisions() {
+    let l = Ledger::new("abc".into());
+    assert_eq!(l.parse_id(&l.external_id(42)), Some(42));
+    for other in ["", "42", "xyz-42", "abc-", "abc-x", "abc-42-1"] {
+        assert_eq!(l.parse_id(other), None, "{other:?}");
+    }
+}
+
+#[test]
+fn remote_adds_are_idempotent_and_expire() {
+    let (l, cfg, now) = (ledger("me"), PolicyConfig::default(), Instant::now());
+    let pod: Arc<str> = Arc::from("a:1");
+    let delta = |op, id: &str| LoadDelta {
+        replica: "peer".into(),
+        id: id.into(),
+        pod: "a:1".into(),
+        model: "m".into(),
+        op,
+        prefill_tokens: 100,
+        blocks: 5,
+        prefix: Some(3),
+        inflight: true,
+    };
+    assert!(!l.has_peers(now));
+    assert!(l.apply_remote(&pod, &delta(LoadOp::Add, "x"), now, &cfg));
+    assert!(
+        !l.apply_remote(&pod, &delta(LoadOp::Add, "x"), now, &cfg),
+        "repeat ignored"
+    );
+    assert!(l.has_peers(now));
+    let own = LoadDelta {
+        replica: "me".into(),
+        ..delta(LoadOp::Add, "y")
+    };
+    assert!(
+        !l.apply_remote(&pod, &own, now, &cfg),
+        "our own echo is ignored"
+    );
+    let v = l.view("a:1", Some(3), now, &cfg);
+    assert_eq!((v.inflight, v.decode_blocks, v.prefix_inflight), (1, 5, 1));
+    // The peer died: its share expires.
+    let later = now + Duration::from_secs(cfg.load_timeout_s + 1);
+    l.expire(later, Duration::from_secs(cfg.load_timeout_s), &cfg);
+    assert_eq!(l.remote_count("a:1"), 0);
+    assert_eq!(l.view("a:1", Some(3), later, &cfg).prefix_inflight, 0);
+    assert!(!l.apply_remote(&pod, &delta(LoadOp::Release, "x"), later, &cfg));
+}
+
+#[test]
+fn a_removed_pod_takes_its_decisions_and_keeps_others_shares() {
+    let (l, cfg, now) = (ledger("me"), PolicyConfig::default(), Instant::now());
+    // Decoded on a, prefilled on b.
+    let (split, adds) = l.commit(decision("a:1", Some("b:1"), None), now, &cfg);
+    assert_eq!(adds.len(), 2, "each pod's share is announced");
+    assert!(l.view("b:1", None, now, &cfg).pending_prefill_tokens > 0);
+    let (on_b, _) = l.commit(decision("b:1", None, Some(9)), now, &cfg);
+    let releases = l.forget_pod("b:1", now, &cfg);
+    assert_eq!(
+        releases.len(),
+        1,
+        "b's own decision is released to the peers"
+    );
+    assert!(l.release(on_b, now, &cfg).is_none());
+    // The split decision keeps its decode share on a.
+    assert_eq!(l.view("a:1", None, now, &cfg).inflight, 1);
+    assert!(l.release(split, now, &cfg).is_some());
+    assert_eq!(l.view("a:1", None, now, &cfg).inflight, 0);
+    assert_eq!(l.prefixes_in_flight(), 0);
+}
+
+#[test]
+fn unreported_decisions_expire_after_the_timeout() {
+    let (l, cfg, now) = (ledger("me"), PolicyConfig::default(), Instant::now());
+    l.commit(decision("a:1", None, None), now, &cfg);
+    let timeout = Duration::from_secs(cfg.load_timeout_s);
+    assert!(l.expire(now + timeout / 2, timeout, &cfg).0.is_empty());
+    let (gone, releases) = l.expire(now + timeout * 2, timeout, &cfg);
+    assert_eq!((gone.len(), releases.len()), (1, 1));
+    assert_eq!(l.outstanding(), 0);
+}
+
+#[test]
+fn without_replica_sync_no_deltas_are_built() {
+    let (l, cfg, now) = (
+        Ledger::new("me".into()),
+        PolicyConfig::default(),
+        Instant::now(),
+    );
+    let (id, adds) = l.commit(decision("a:1", Some("b:1"), None), now, &cfg);
+    assert!(adds.is_empty());
+    let (_, releases) = l.release(id, now, &cfg).expect("released");
+    assert!(releases.is_empty());
+}

@@ -1,0 +1,173 @@
+//! Event ingestion from NATS. Every sidecar replica subscribes to the same subject, so
+//! all replicas build the same index. The connection is retried forever with backoff
+//! (also when NATS is down at start); its state is a metric and part of `/readyz`.
+//! A malformed message is counted and dropped; it never stalls the subscription.
+//!
+//! This replica's load deltas leave through their own task ([`publish_outbox`]), each
+//! publish bounded by a timeout, so a NATS outage can delay only that task: event
+//! ingestion, the other replicas' deltas and shutdown never wait on a publish.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use kvroute_service::{NatsAuth, Shutdown};
+use kvroute_shared::protocol::{EventBatch, LoadDelta};
+use tokio::sync::mpsc;
+
+use crate::ingest::{self, Recovery};
+use crate::state::Sidecar;
+
+#[derive(Clone, Debug, Default)]
+pub struct NatsOpts {
+    pub url: String,
+    pub subject: String,
+    pub auth: NatsAuth,
+}
+
+pub async fn connect(sc: &Arc<Sidecar>, o: &NatsOpts) -> anyhow::Result<async_nats::Client> {
+    let sc_ev = sc.clone();
+    let opts = async_nats::ConnectOptions::new()
+        .name("kvroute-sidecar")
+        .retry_on_initial_connect()
+        .max_reconnects(None)
+        .connection_timeout(Duration::from_secs(2))
+        .reconnect_delay_callback(|attempt| {
+            Duration::from_millis((100u64 << attempt.min(5)).min(3000))
+        })
+        .event_callback(move |ev| {
+            let sc = sc_ev.clone();
+            async move {
+                let up = match ev {
+                    async_nats::Event::Connected => Some(1),
+                    async_nats::Event::Disconnected | async_nats::Event::Closed => Some(0),
+                    _ => None,
+                };
+                if let Some(v) = up {
+                    sc.metrics.nats_connected.set(v as i64);
+                    tracing::info!("nats: {ev}");
+                }
+            }
+        });
+    let opts = o.auth.apply(opts).await?;
+    Ok(opts.connect(o.url.as_str()).await?)
+}
+
+/// How long one load delta may wait for the NATS client before it is dropped.
+const PUBLISH_TIMEOUT: Duration = Duration::from_millis(500);
+
+pub async fn run(
+    sc: Arc<Sidecar>,
+    rec: Arc<Recovery>,
+    o: NatsOpts,
+    outbox: mpsc::Receiver<LoadDelta>,
+    shutdown: Shutdown,
+) {
+    sc.nats_configured.store(true, Ordering::Relaxed);
+    let client = match connect(&sc, &o).await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!("nats: cannot configure the connection: {e}");
+            return;
+        }
+    };
+    sc.enable_replica_sync(true);
+    tokio::join!(
+        consume(&sc, &rec, &client, &o, shutdown.clone()),
+        publish_outbox(&sc, &client, outbox, shutdown),
+    );
+    sc.enable_replica_sync(false);
+}
+
+/// Publish this replica's load deltas until shutdown; a publish that NATS does not take
+/// within `PUBLISH_TIMEOUT` is dropped and counted.
+pub async fn publish_outbox(
+    sc: &Sidecar,
+    client: &async_nats::Client,
+    mut outbox: mpsc::Receiver<LoadDelta>,
+    mut shutdown: Shutdown,
+) {
+    loop {
+        let delta = tokio::select! {
+            _ = shutdown.wait() => break,
+            d = outbox.recv() => match d { Some(d) => d, None => break },
+        };
+        let Ok(bytes) = serde_json::to_vec(&delta) else {
+            continue;
+        };
+        let publish = client.publish(delta.subject(), bytes.into());
+        let outcome = tokio::select! {
+            _ = shutdown.wait() => break,
+            r = tokio::time::timeout(PUBLISH_TIMEOUT, publish) => match r {
+                Ok(Ok(())) => "published",
+                _ => "publish_failed",
+            },
+        };
+        sc.metrics.replica_deltas.inc(outcome, 1);
+    }
+}
+
+async fn consume(
+    sc: &Arc<Sidecar>,
+    rec: &Arc<Recovery>,
+    client: &async_nats::Client,
+    o: &NatsOpts,
+    mut shutdown: Shutdown,
+) {
+    let mut sub = loop {
+        match client.subscribe(o.subject.clone()).await {
+            Ok(s) => break s,
+            Err(e) => {
+                tracing::warn!("nats: subscribe failed ({e}); retrying");
+                tokio::select! {
+                    _ = shutdown.wait() => return,
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+            }
+        }
+    };
+    tracing::info!("nats: subscribed to {}", o.subject);
+    // Replicas share their decisions so that several gateways do not pile onto one pod.
+    let mut loads = client.subscribe(format!("{LOAD_SUBJECT}.>")).await.ok();
+    loop {
+        tokio::select! {
+            _ = shutdown.wait() => break,
+            Some(msg) = async { match loads.as_mut() { Some(l) => l.next().await, None => std::future::pending().await } } => {
+                match serde_json::from_slice::<LoadDelta>(&msg.payload) {
+                    // A replica speaks only for itself, on its own subject.
+                    Ok(delta) if msg.subject.as_str() == delta.subject() => sc.apply_remote(&delta),
+                    Ok(_) => sc.metrics.replica_deltas.inc("subject_mismatch", 1),
+                    Err(e) => {
+                        sc.metrics.replica_deltas.inc("malformed", 1);
+                        tracing::debug!("nats: malformed load delta: {e}");
+                    }
+                }
+            }
+            msg = sub.next() => {
+                let Some(msg) = msg else { break };
+                sc.metrics.nats_messages.inc();
+                match EventBatch::decode(&msg.payload) {
+                    // The subject names the pod; NATS permissions confine each bridge to
+                    // its own, so a batch may speak only for the pod its subject names.
+                    Ok(batch) if msg.subject.as_str() != batch.subject() => {
+                        sc.metrics.events_rejected.inc("subject_mismatch", 1);
+                        tracing::debug!("nats: batch for pod {} on subject {}", batch.pod, msg.subject);
+                    }
+                    Ok(batch) => {
+                        if let Err(e) = ingest::ingest(sc, rec, &batch) {
+                            tracing::debug!("nats: batch refused: {e}");
+                        }
+                    }
+                    Err(e) => {
+                        sc.metrics.events_rejected.inc(e.reason(), 1);
+                        tracing::debug!("nats: malformed batch on {}: {e}", msg.subject);
+                    }
+                }
+            }
+        }
+    }
+    let _ = tokio::time::timeout(PUBLISH_TIMEOUT, sub.unsubscribe()).await;
+}
+
+pub use kvroute_shared::protocol::LOAD_SUBJECT;

@@ -1,0 +1,757 @@
+//! The routing decision: Filter → Score → Pick, as pure functions over cache facts and
+//! load views, so the service, the simulator and the tests run the same policy.
+//!
+//! - **Filter** ([`admissible`]): the pod serves the model and the adapter, has the role
+//!   asked for, and its circuit breaker is closed. (Liveness is the index's alive bitmap
+//!   and the registry; both are applied before candidates are built.)
+//! - **Score** ([`cost`]): the work the request would wait for on that pod, in blocks of
+//!   prefill: its own uncached blocks plus the prefill already queued there, plus a
+//!   decode term. A hit counts fully when engine-confirmed, at `predicted_weight` when
+//!   only predicted, at `1 − tier_cost` when the block is off GPU, and a pod with an event
+//!   gap has its hits scaled by `stale_factor`. A prefix that is common (on most pods) or
+//!   hot (many requests in flight) is credited to every pod; a request that no pod holds
+//!   more of than that is *cold*, and choosing its home also weighs the work each pod
+//!   drew lately ([`RecentWork`]).
+//! - **Pick** ([`pick`]): lowest cost among pods within the bounded load, per pod and per
+//!   routing prefix, so a shared system prompt cannot pin all traffic to one pod, and
+//!   among pods whose engines report no request waiting for a batch slot; ties go
+//!   to the rendezvous hash of the first block no pod holds, so independent replicas agree;
+//!   with a temperature, a softmax sample instead of the argmin.
+
+use kvroute_shared::protocol::{PolicyConfig, Role, Tier, TierHint};
+
+/// What the policy knows about a pod's load.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LoadView {
+    /// Prompt tokens routed to the pod whose prefill has not been reported done.
+    pub pending_prefill_tokens: u64,
+    /// KV blocks held by its running requests.
+    pub decode_blocks: u64,
+    /// Requests in flight (router's projection, or the engine's own count if larger).
+    pub inflight: u32,
+    /// Requests the engine reports waiting.
+    pub queued: u32,
+    /// Requests in flight on this pod that were routed by the same cached prefix as this
+    /// one (the deepest prefix any pod holds); see [`pick`].
+    pub prefix_inflight: u32,
+    /// Prompt blocks routed to the pod lately (see [`RecentWork`]).
+    pub recent_blocks: f64,
+}
+
+/// When a pod's queued prefills should be done: prefills run one at a time, so each
+/// routed request pushes the horizon by `tokens / prefill_tps`. The prefill work still
+/// ahead of a new request is what is left before the horizon. Without this, load routed
+/// to a pod would count until its completion report, long after its prefill ended, and
+/// the router would shun exactly the pods whose caches it should use.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PrefillHorizon {
+    /// Seconds (on the caller's clock) when the pod's known prefills end.
+    pub until: f64,
+}
+
+impl PrefillHorizon {
+    pub fn add(&mut self, now: f64, tokens: u64, tps: f64) {
+        self.until = self.until.max(now) + tokens as f64 / tps.max(1.0);
+    }
+
+    /// Prefill tokens still ahead at `now`.
+    pub fn pending(&self, now: f64, tps: f64) -> u64 {
+        ((self.until - now).max(0.0) * tps) as u64
+    }
+
+    /// A request ended (report): whatever of its prefill is still counted goes.
+    pub fn release(&mut self, now: f64, tokens: u64, tps: f64) {
+        self.until = (self.until - tokens as f64 / tps.max(1.0)).max(now.min(self.until));
+    }
+}
+
+/// The prompt blocks routed to a pod lately, decayed exponentially. In-flight counts
+/// only see the requests running now; a pod whose cached prefixes drew much traffic in
+/// the last seconds will keep drawing it, which is what a new prefix's home should avoid.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RecentWork {
+    blocks: f64,
+    /// Seconds (on the caller's clock) of the last update.
+    at: f64,
+}
+
+impl RecentWork {
+    pub fn add(&mut self, now: f64, blocks: u64, window_s: f64) {
+        self.blocks = self.value(now, window_s) + blocks as f64;
+        self.at = self.at.max(now);
+    }
+
+    pub fn value(&self, now: f64, window_s: f64) -> f64 {
+        self.blocks * (-(now - self.at).max(0.0) / window_s.max(1e-3)).exp()
+    }
+}
+
+/// One candidate pod for a request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Candidate {
+    /// Where the pod is in the caller's table (not an id: only the caller knows
+    /// which pod that is).
+    pub index: usize,
+    /// Rendezvous key of the pod (a hash of its name).
+    pub key: u64,
+    /// Engine-confirmed cached prefix, in blocks.
+    pub matched: u32,
+    /// Predicted cached prefix, in blocks.
+    pub predicted: u32,
+    /// Where the confirmed hits live, when known.
+    pub tiers: Option<TierHint>,
+    pub stale: bool,
+    pub load: LoadView,
+}
+
+/// The request's side of the decision.
+#[derive(Clone, Copy, Debug)]
+pub struct Ask {
+    /// Blocks of the whole prompt (full and partial).
+    pub prompt_blocks: u32,
+    pub block_size: u32,
+    /// Rendezvous key for ties: the first block's hash (or a session/request hash).
+    pub tie_key: u64,
+    /// Seed for softmax sampling.
+    pub seed: u64,
+    /// Ignore cache hits (choosing a decode pod of a disaggregated model).
+    pub load_only: bool,
+    /// Other replicas route to the same pods: treat costs within `near_tie_cost` of the
+    /// best as ties (see [`pick`]).
+    pub spread_ties: bool,
+}
+
+/// The per-pod breakdown of a cost.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Score {
+    pub hits: f64,
+    pub uncached: f64,
+    pub queued_prefill: f64,
+    pub decode: f64,
+    pub cost: f64,
+}
+
+/// Hits worth counting for a candidate.
+pub fn hits(cfg: &PolicyConfig, c: &Candidate) -> f64 {
+    let confirmed = c.matched as f64;
+    let mut h = if c.predicted > c.matched {
+        confirmed + (c.predicted - c.matched) as f64 * cfg.predicted_weight
+    } else {
+        confirmed
+    };
+    if let Some(t) = c.tiers {
+        let tc = |tier: Tier| cfg.tier_cost.get(&tier).copied().unwrap_or(0.0);
+        h -= t.cpu as f64 * tc(Tier::Cpu)
+            + t.disk as f64 * tc(Tier::Disk)
+            + t.remote as f64 * tc(Tier::Remote);
+    }
+    if c.stale {
+        h *= cfg.stale_factor;
+    }
+    h.max(0.0)
+}
+
+/// `shared`: hits credited to every candidate; `cold`: no candidate holds more, so this
+/// places a new home and the pods' recent work counts.
+pub fn cost(cfg: &PolicyConfig, ask: &Ask, c: &Candidate, shared: f64, cold: bool) -> Score {
+    let hits = if ask.load_only {
+        0.0
+    } else {
+        hits(cfg, c).max(shared)
+    };
+    let uncached = (ask.prompt_blocks as f64 - hits).max(0.0);
+    let bs = ask.block_size.max(1) as f64;
+    let queued_prefill = c.load.pending_prefill_tokens as f64 / bs;
+    let decode = c.load.decode_blocks as f64;
+    let prefill_w = if ask.load_only {
+        0.0
+    } else {
+        cfg.prefill_weight
+    };
+    let cost = prefill_w * uncached
+        + cfg.load_weight * queued_prefill
+        + cfg.decode_weight * decode
+        + cfg.queue_weight * c.load.queued as f64
+        + if cold {
+            cfg.home_weight * c.load.recent_blocks
+        } else {
+            0.0
+        };
+    Score {
+        hits,
+        uncached,
+        queued_prefill,
+        decode,
+        cost,
+    }
+}
+
+/// The key that breaks ties: the first block no candidate holds (the chain's first
+/// block for a cold prompt). Requests that share a prefix cached everywhere — a common
+/// system prompt — then spread by what follows it instead of piling onto one pod, while
+/// every replica still computes the same key.
+pub fn tie_key(chain: &[u64], deepest_match: usize) -> Option<u64> {
+    chain.get(deepest_match).or_else(|| chain.last()).copied()
+}
+
+/// Rendezvous hash of (tie key, pod key): the highest wins a tie.
+pub fn rendezvous(tie: u64, pod: u64) -> u64 {
+    let mut z = tie ^ pod.rotate_left(17) ^ 0x9E37_79B9_7F4A_7C15;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Hits on a prefix that at least half the candidates, and at least three, hold (a
+/// common system prompt), credited to every candidate. Such a prefix will be everywhere soon anyway, so the few
+/// pods still without it must not be shunned for it: otherwise the pods that cached it
+/// first draw every new conversation, which then stays there while the others idle.
+pub fn shared_hits(cfg: &PolicyConfig, cands: &[Candidate]) -> f64 {
+    let half = cands.len().div_ceil(2).max(3);
+    if half > cands.len() {
+        return 0.0;
+    }
+    let mut h: Vec<f64> = cands.iter().map(|c| hits(cfg, c)).collect();
+    h.sort_by(|a, b| b.total_cmp(a));
+    h.get(half - 1).copied().unwrap_or(0.0)
+}
+
+/// One candidate's place in a ranking.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rank {
+    /// The candidate: its position in the slice [`pick`] was given.
+    pub candidate: usize,
+    pub score: Score,
+    /// Passed the bounded-load guards (per pod, per prefix) and the full-batch guard.
+    pub within_balance: bool,
+}
+
+/// The ranked candidates and the pick.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Ranking {
+    /// Every candidate, best first.
+    pub order: Vec<Rank>,
+    /// Index into `order` of the chosen pod.
+    pub pick: usize,
+}
+
+impl Ranking {
+    /// A ranking of one candidate, chosen (for selectors that pick without scoring).
+    pub fn only(candidate: usize) -> Ranking {
+        Ranking {
+            order: vec![Rank {
+                candidate,
+                score: Score::default(),
+                within_balance: true,
+            }],
+            pick: 0,
+        }
+    }
+
+    /// The chosen candidate's position in the slice [`pick`] was given.
+    pub fn chosen(&self) -> usize {
+        self.order[self.pick].candidate
+    }
+}
+
+/// Score every candidate and pick one. `None` when there is no candidate.
+pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Ranking> {
+    if cands.is_empty() {
+        return None;
+    }
+    let total: u64 = cands.iter().map(|c| c.load.inflight as u64).sum();
+    let mean = (total + 1) as f64 / cands.len() as f64;
+    // (1 + ε) × mean, but never tighter than `balance_slack` requests above the mean: with
+    // a handful of requests per pod the rounding alone would otherwise evict sessions from
+    // the pods that hold their caches.
+    let cap = ((1.0 + cfg.balance_epsilon) * mean)
+        .ceil()
+        .max(mean.ceil() + cfg.balance_slack)
+        .max(1.0) as u64;
+    let shared = shared_hits(cfg, cands);
+    // The same bound per prefix: a prefix that many concurrent requests are routed by (a
+    // system prompt while it is on few pods) spreads over more pods as its own load grows,
+    // while the pod-wide bound can stay loose enough not to split a prefix that is merely
+    // on a busy pod (which costs a full prefill of it elsewhere).
+    let ptotal: u64 = cands.iter().map(|c| c.load.prefix_inflight as u64).sum();
+    let pmean = (ptotal + 1) as f64 / cands.len() as f64;
+    let pcap = ((1.0 + cfg.balance_epsilon) * pmean)
+        .ceil()
+        .max(pmean.ceil() + cfg.prefix_balance_slack) as u64;
+    // A routing prefix this busy will be needed on every pod: credit it to all, so that
+    // its new conversations spread by load rather than pile onto its first holders (who
+    // would keep them, and their later turns, for good).
+    let deepest = cands.iter().map(|c| hits(cfg, c)).fold(0.0, f64::max);
+    // Never while one pod may keep all of them under the per-prefix bound: with a few pods
+    // a handful of requests for one prompt (reports not yet in) is not a hot prefix.
+    let hot = cfg.hot_prefix_per_pod > 0.0
+        && ptotal as f64
+            >= (cfg.hot_prefix_per_pod * cands.len() as f64).max(cfg.prefix_balance_slack + 1.0);
+    let shared = if hot { deepest } else { shared };
+    // Nobody holds more than what is credited to all: the request is choosing a home.
+    let cold = !ask.load_only && deepest < shared + 1.0;
+    // A pod whose engine has requests waiting for a batch slot makes a new one wait for
+    // decodes to finish, which no cache hit repays; the slack above cannot see that (a
+    // batch fills at a few requests per pod with long outputs, well within the slack).
+    let full_batch = cfg.full_batch_guard && cands.iter().any(|c| c.load.queued == 0);
+    let mut order: Vec<Rank> = cands
+        .iter()
+        .enumerate()
+        .map(|(i, c)| Rank {
+            candidate: i,
+            score: cost(cfg, ask, c, shared, cold),
+            within_balance: (c.load.inflight as u64) < cap
+                && (c.load.prefix_inflight as u64) < pcap
+                && !(full_batch && c.load.queued > 0),
+        })
+        .collect();
+    order.sort_by(|a, b| {
+        a.score.cost.total_cmp(&b.score.cost).then_with(|| {
+            rendezvous(ask.tie_key, cands[b.candidate].key)
+                .cmp(&rendezvous(ask.tie_key, cands[a.candidate].key))
+        })
+    });
+    // Nobody passes the guard only in degenerate cases; then the guard steps aside.
+    let any_ok = order.iter().any(|o| o.within_balance);
+    let eligible = |o: &Rank| o.within_balance || !any_ok;
+    let pick = if cfg.temperature > 0.0 {
+        softmax_pick(cfg.temperature, ask.seed, &order, eligible)
+    } else {
+        let margin = if ask.spread_ties {
+            cfg.near_tie_cost
+        } else {
+            0.0
+        };
+        near_tie_pick(margin, ask.tie_key, cands, &order, eligible)
+    };
+    Some(Ranking { order, pick })
+}
+
+/// The best eligible candidate, or, among the eligible ones within `margin` of its
+/// cost, the one the tie key's rendezvous hash prefers.
+fn near_tie_pick(
+    margin: f64,
+    tie_key: u64,
+    cands: &[Candidate],
+    order: &[Rank],
+    eligible: impl Fn(&Rank) -> bool,
+) -> usize {
+    let Some(best) = order.iter().position(&eligible) else {
+        return 0;
+    };
+    if margin <= 0.0 {
+        return best;
+    }
+    let limit = order[best].score.cost + margin;
+    (best..order.len())
+        .take_while(|&i| order[i].score.cost <= limit)
+        .filter(|&i| eligible(&order[i]))
+        .max_by_key(|&i| rendezvous(tie_key, cands[order[i].candidate].key))
+        .unwrap_or(best)
+}
+
+fn softmax_pick(t: f64, seed: u64, order: &[Rank], eligible: impl Fn(&Rank) -> bool) -> usize {
+    let best = order
+        .iter()
+        .filter(|o| eligible(o))
+        .map(|o| o.score.cost)
+        .fold(f64::INFINITY, f64::min);
+    let weights: Vec<f64> = order
+        .iter()
+        .map(|o| {
+            if eligible(o) {
+                (-(o.score.cost - best) / t).exp()
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let sum: f64 = weights.iter().sum();
+    let mut r = (rendezvous(seed, 0x5eed) >> 11) as f64 / (1u64 << 53) as f64 * sum;
+    for (i, w) in weights.iter().enumerate() {
+        if *w > 0.0 {
+            if r < *w {
+                return i;
+            }
+            r -= w;
+        }
+    }
+    weights.iter().rposition(|w| *w > 0.0).unwrap_or(0)
+}
+
+/// What the Filter stage checks of a pod.
+#[derive(Clone, Debug, Default)]
+pub struct PodFacts<'a> {
+    pub role: Role,
+    pub adapters: &'a [String],
+    /// The breaker is open (recent failures) until this many seconds from now.
+    pub breaker_open: bool,
+}
+
+/// The Filter stage: may this pod serve this request at all?
+pub fn admissible(pod: &PodFacts<'_>, adapter: &str, want: Option<Role>) -> bool {
+    if pod.breaker_open {
+        return false;
+    }
+    if !adapter.is_empty() && !pod.adapters.is_empty() && !pod.adapters.iter().any(|a| a == adapter)
+    {
+        return false;
+    }
+    match want {
+        None => true,
+        Some(Role::Both) => pod.role == Role::Both,
+        Some(r) => pod.role == r || pod.role == Role::Both,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cand(id: usize, matched: u32, inflight: u32, pending: u64) -> Candidate {
+        Candidate {
+            index: id,
+            key: id as u64 * 7919,
+            matched,
+            predicted: 0,
+            tiers: None,
+            stale: false,
+            load: LoadView {
+                pending_prefill_tokens: pending,
+                decode_blocks: 0,
+                inflight,
+                queued: 0,
+                prefix_inflight: 0,
+                recent_blocks: 0.0,
+            },
+        }
+    }
+
+    /// `c` with its load view changed by `f`.
+    fn with_load(mut c: Candidate, f: impl FnOnce(&mut LoadView)) -> Candidate {
+        f(&mut c.load);
+        c
+    }
+
+    fn ask(blocks: u32) -> Ask {
+        Ask {
+            prompt_blocks: blocks,
+            block_size: 16,
+            tie_key: 42,
+            seed: 1,
+            load_only: false,
+            spread_ties: false,
+        }
+    }
+
+    #[test]
+    fn cache_wins_until_the_queue_outweighs_it() {
+        let cfg = PolicyConfig::default();
+        // Pod 0 holds 60 of 64 blocks but has 40 blocks of prefill queued; pod 1 is cold and idle.
+        let c = [cand(0, 60, 1, 40 * 16), cand(1, 0, 0, 0)];
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert_eq!(r.chosen(), 0, "4 + 40 < 64");
+        let c = [cand(0, 60, 1, 70 * 16), cand(1, 0, 0, 0)];
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert_eq!(r.chosen(), 1, "4 + 70 > 64");
+    }
+
+    #[test]
+    fn a_prefix_most_pods_hold_does_not_shun_the_rest() {
+        let cfg = PolicyConfig::default();
+        // A 60-block system prompt on pods 0-2 (busy), not yet on pod 3 (idle): credited to
+        // every pod, so the new conversation goes to the idle pod by load.
+        let busy = |id| with_load(cand(id, 60, 3, 0), |l| l.decode_blocks = 400);
+        let c = [busy(0), busy(1), busy(2), cand(3, 0, 0, 0)];
+        assert_eq!(shared_hits(&cfg, &c), 60.0);
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert_eq!(r.chosen(), 3);
+        // Held by one pod of four (a conversation's own history): no credit, the holder wins.
+        let c = [
+            busy(0),
+            cand(1, 0, 0, 0),
+            cand(2, 0, 0, 0),
+            cand(3, 0, 0, 0),
+        ];
+        assert_eq!(shared_hits(&cfg, &c), 0.0);
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert_eq!(r.chosen(), 0);
+        // Two or three candidates: too few to call anything common.
+        assert_eq!(shared_hits(&cfg, &[busy(0), busy(1)]), 0.0);
+        assert_eq!(
+            shared_hits(&cfg, &[busy(0), busy(1), cand(2, 0, 0, 0)]),
+            0.0
+        );
+    }
+
+    #[test]
+    fn bounded_load_breaks_hot_spots() {
+        let cfg = PolicyConfig::default();
+        // Everyone shares the prefix; pod 0 holds it and already has far more in flight
+        // (16 against a mean of 4.75: above the mean plus the slack of 10).
+        let c = [
+            cand(0, 64, 16, 0),
+            cand(1, 0, 1, 0),
+            cand(2, 0, 1, 0),
+            cand(3, 0, 1, 0),
+        ];
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert_eq!(r.order[0].candidate, 0, "pod 0 is cheapest");
+        assert!(!r.order[0].within_balance, "but above the pod-wide bound");
+        assert_ne!(r.chosen(), 0);
+        // Within the pod-wide bound, but this prefix alone has 9 of its 12 requests there.
+        let hot = |id, inflight, prefix_inflight| {
+            with_load(cand(id, if id == 0 { 64 } else { 0 }, inflight, 0), |l| {
+                l.prefix_inflight = prefix_inflight
+            })
+        };
+        let c = [hot(0, 9, 9), hot(1, 6, 1), hot(2, 6, 1), hot(3, 6, 1)];
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        let pod0 = r.order.iter().find(|o| o.candidate == 0).expect("pod 0");
+        assert!(
+            !pod0.within_balance && r.chosen() != 0,
+            "the prefix spreads"
+        );
+        // The same pod load from other prefixes: the holder keeps the request.
+        let c = [hot(0, 9, 1), hot(1, 6, 0), hot(2, 6, 0), hot(3, 6, 0)];
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert_eq!(r.chosen(), 0);
+    }
+
+    #[test]
+    fn a_full_batch_is_avoided_while_another_pod_has_room() {
+        let cfg = PolicyConfig::default();
+        let waiting =
+            |id, matched, queued| with_load(cand(id, matched, 4, 0), |l| l.queued = queued);
+        // The holder's engine reports 2 requests waiting for a batch slot: a cold pod with
+        // room wins although the holder is far cheaper by cache.
+        let c = [waiting(0, 60, 2), waiting(1, 0, 0)];
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert_eq!(r.chosen(), 1);
+        // Every batch full: the guard steps aside and the cache decides again.
+        let c = [waiting(0, 60, 2), waiting(1, 0, 1)];
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert_eq!(r.chosen(), 0);
+        // Switched off.
+        let off = PolicyConfig {
+            full_batch_guard: false,
+            ..PolicyConfig::default()
+        };
+        let c = [waiting(0, 60, 2), waiting(1, 0, 0)];
+        let r = pick(&off, &ask(64), &c).expect("pick");
+        assert_eq!(r.chosen(), 0);
+    }
+
+    #[test]
+    fn a_hot_prefix_spreads_its_new_conversations() {
+        let cfg = PolicyConfig::default();
+        // A 60-block system prompt on pods 0 and 1 only; each has 3 of its requests in flight.
+        let holder = |id| {
+            with_load(cand(id, 60, 3, 0), |l| {
+                l.prefix_inflight = 3;
+                l.decode_blocks = 190;
+            })
+        };
+        let c = [holder(0), holder(1), cand(2, 0, 0, 0), cand(3, 0, 0, 0)];
+        // 6 in flight over 4 pods is above one per pod: hot, credited to all, an idle pod wins.
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert!(r.chosen() >= 2, "{r:?}");
+        // The same prefix with one request in flight: not hot, the holders keep it.
+        let quiet = |id| with_load(holder(id), |l| l.prefix_inflight = u32::from(id == 0));
+        let c = [quiet(0), quiet(1), cand(2, 0, 0, 0), cand(3, 0, 0, 0)];
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert!(r.chosen() < 2, "{r:?}");
+        // Three pods: 3 in flight is one per pod, but one pod may keep up to the prefix
+        // slack (4) of them, so the prefix is not hot yet and the holder keeps it.
+        let one = with_load(holder(0), |l| l.prefix_inflight = 4);
+        let c = [one, cand(1, 0, 0, 0), cand(2, 0, 0, 0)];
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert_eq!(r.chosen(), 0, "{r:?}");
+        // Switched off.
+        let off = PolicyConfig {
+            hot_prefix_per_pod: 0.0,
+            ..PolicyConfig::default()
+        };
+        let c = [holder(0), holder(1), cand(2, 0, 0, 0), cand(3, 0, 0, 0)];
+        let r = pick(&off, &ask(64), &c).expect("pick");
+        assert!(r.chosen() < 2, "{r:?}");
+    }
+
+    #[test]
+    fn a_cold_prefix_gets_the_home_with_least_recent_work() {
+        let cfg = PolicyConfig::default();
+        let busy_lately = |id, recent| with_load(cand(id, 0, 1, 0), |l| l.recent_blocks = recent);
+        // Nobody holds the prompt: the pod that drew the least work lately is its home,
+        // whatever the tie hash says.
+        let c = [
+            busy_lately(0, 900.0),
+            busy_lately(1, 300.0),
+            busy_lately(2, 600.0),
+        ];
+        for tie in 0..20 {
+            let r = pick(
+                &cfg,
+                &Ask {
+                    tie_key: tie,
+                    ..ask(64)
+                },
+                &c,
+            )
+            .expect("pick");
+            assert_eq!(r.chosen(), 1);
+        }
+        // A prompt that has a home stays there: recent work is not a cost then.
+        let c = [
+            Candidate {
+                matched: 40,
+                ..busy_lately(0, 900.0)
+            },
+            busy_lately(1, 300.0),
+            busy_lately(2, 600.0),
+        ];
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert_eq!(r.chosen(), 0);
+        // The decayed count itself.
+        let mut w = RecentWork::default();
+        w.add(0.0, 100, 10.0);
+        w.add(10.0, 100, 10.0);
+        assert!((w.value(10.0, 10.0) - (100.0 / std::f64::consts::E + 100.0)).abs() < 1e-9);
+        assert!(
+            w.value(5.0, 10.0) <= w.value(10.0, 10.0),
+            "no growth backwards"
+        );
+    }
+
+    #[test]
+    fn ties_follow_the_first_block_consistently() {
+        let cfg = PolicyConfig::default();
+        let c: Vec<_> = (0..8).map(|i| cand(i, 0, 0, 0)).collect();
+        let mut picks = std::collections::HashSet::new();
+        for tie in 0..200u64 {
+            let a = Ask {
+                tie_key: tie,
+                ..ask(8)
+            };
+            let r1 = pick(&cfg, &a, &c).expect("pick");
+            // Same tie key, candidates in another order: same pod.
+            let rev: Vec<_> = c.iter().rev().cloned().collect();
+            let r2 = pick(&cfg, &a, &rev).expect("pick");
+            assert_eq!(c[r1.chosen()].index, rev[r2.chosen()].index);
+            picks.insert(r1.chosen());
+        }
+        assert_eq!(picks.len(), 8, "cold prefixes spread over all pods");
+    }
+
+    #[test]
+    fn predicted_stale_and_tiers_discount_hits() {
+        let cfg = PolicyConfig::default();
+        let mut c = cand(0, 10, 0, 0);
+        assert_eq!(hits(&cfg, &c), 10.0);
+        c.predicted = 20;
+        assert_eq!(hits(&cfg, &c), 10.0 + 10.0 * cfg.predicted_weight);
+        c.predicted = 0;
+        c.tiers = Some(TierHint {
+            gpu: 8,
+            cpu: 2,
+            disk: 0,
+            remote: 0,
+        });
+        assert!((hits(&cfg, &c) - (10.0 - 2.0 * 0.2)).abs() < 1e-9);
+        c.tiers = None;
+        c.stale = true;
+        assert_eq!(hits(&cfg, &c), 10.0 * cfg.stale_factor);
+        assert_eq!(
+            cost(
+                &cfg,
+                &Ask {
+                    load_only: true,
+                    ..ask(64)
+                },
+                &c,
+                0.0,
+                false
+            )
+            .cost,
+            0.0
+        );
+    }
+
+    #[test]
+    fn temperature_samples_near_the_best() {
+        let cfg = PolicyConfig {
+            temperature: 2.0,
+            ..PolicyConfig::default()
+        };
+        let c = [cand(0, 60, 0, 0), cand(1, 59, 0, 0), cand(2, 0, 0, 0)];
+        let mut seen = [0; 3];
+        for seed in 0..300 {
+            let r = pick(&cfg, &Ask { seed, ..ask(64) }, &c).expect("pick");
+            seen[r.chosen()] += 1;
+        }
+        assert!(seen[0] > 0 && seen[1] > 0, "{seen:?}");
+        assert!(seen[2] < 5, "a far worse pod is rarely sampled: {seen:?}");
+    }
+
+    #[test]
+    fn filter_checks_adapter_role_breaker() {
+        let adapters = vec!["sql".to_string()];
+        let p = PodFacts {
+            role: Role::Prefill,
+            adapters: &adapters,
+            breaker_open: false,
+        };
+        assert!(admissible(&p, "sql", Some(Role::Prefill)));
+        assert!(!admissible(&p, "chat", None));
+        assert!(!admissible(&p, "", Some(Role::Decode)));
+        let both = PodFacts {
+            role: Role::Both,
+            adapters: &[],
+            breaker_open: false,
+        };
+        assert!(admissible(&both, "any", Some(Role::Decode)));
+        assert!(!admissible(
+            &PodFacts {
+                breaker_open: true,
+                ..both
+            },
+            "",
+            None
+        ));
+    }
+
+    /// With peers routing to the same pods, costs within `near_tie_cost` of the best are
+    /// ties the request's own key breaks, so concurrent cold requests that replicas place
+    /// before hearing of each other spread; alone, the strict argmin stands.
+    #[test]
+    fn near_ties_spread_by_tie_key_only_when_replicas_share_the_pods() {
+        let cfg = PolicyConfig::default();
+        let c: Vec<_> = (0..8)
+            .map(|i| with_load(cand(i, 0, 0, 0), |l| l.recent_blocks = i as f64))
+            .collect();
+        let mut alone = std::collections::HashSet::new();
+        let mut shared = std::collections::HashSet::new();
+        for tie in 0..64u64 {
+            let a = Ask {
+                tie_key: tie,
+                ..ask(8)
+            };
+            let r = pick(&cfg, &a, &c).expect("pick");
+            alone.insert(r.chosen());
+            let r = pick(
+                &cfg,
+                &Ask {
+                    spread_ties: true,
+                    ..a
+                },
+                &c,
+            )
+            .expect("pick");
+            let chosen = r.chosen();
+            // Only pods whose cost is within the margin of the best are candidates.
+            assert!(r.order[r.pick].score.cost <= r.order[0].score.cost + cfg.near_tie_cost);
+            shared.insert(chosen);
+        }
+        assert_eq!(alone, std::collections::HashSet::from([0]));
+        assert!(shared.len() > 1, "{shared:?}");
+    }
+}

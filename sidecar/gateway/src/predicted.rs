@@ -1,0 +1,259 @@
+//! Predicted residency, for engines that publish no KV events and for text-mode chains
+//! (which no engine computes): each route decision records the request's chain as
+//! cached on the chosen pod, with a TTL and a per-pod capacity.
+//!
+//! Kept in its own per-model index (the same structure as the confirmed one), so a
+//! confirmed hit and a guess are never mixed up and the policy can weigh them apart.
+//! Each pod's capacity adapts to the engines' reports (AIMD): a report of fewer cached
+//! tokens than predicted means the pod evicts sooner than assumed, so its capacity is cut
+//! by 30% and the oldest guesses beyond it go; a correct prediction grows it back by the
+//! request's size, up to the configured cap.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvroute_shared::protocol::Tier;
+use parking_lot::Mutex;
+
+use crate::index::{Indexes, ModelIndex};
+
+/// How long a guess is trusted to still be in the index before a repeat stores it again
+/// (the index's own capacity bound may have dropped it).
+const REFRESH: Duration = Duration::from_secs(1);
+
+struct PodLru {
+    model: String,
+    /// Current (adaptive) capacity in blocks.
+    cap: f64,
+    order: VecDeque<(u64, Instant)>,
+    /// Block → time of its latest insertion (older queue entries are stale). hashbrown's
+    /// default hasher (foldhash, seeded per process): keys come from clients' prompts, so
+    /// the map must resist crafted collisions, and SipHash cost a fifth of each insert.
+    live: hashbrown::HashMap<u64, Instant>,
+}
+
+#[derive(Default)]
+pub struct Predicted {
+    pub indexes: Indexes,
+    pods: Mutex<HashMap<Arc<str>, PodLru>>,
+}
+
+impl Predicted {
+    fn index(&self, model: &str, max_blocks: u64) -> Arc<ModelIndex> {
+        self.indexes.get_or_create(model, max_blocks)
+    }
+
+    /// Record `chain` as cached on `pod`.
+    pub fn insert(&self, model: &str, pod: &str, chain: &[u64], cap: u64, now: Instant) {
+        if chain.is_empty() {
+            return;
+        }
+        let ix = self.index(model, cap.saturating_mul(256));
+        let Ok(h) = ix.join(pod) else { return };
+        // A prompt mostly repeats what the pod was just given (a system prompt, the earlier
+        // turns): those blocks only renew their place in the LRU; only new ones (or ones
+        // whose guess is older than REFRESH, in case the index's own cap dropped them) are
+        // stored in the index again, which was most of the cost of a long prompt.
+        let mut fresh = Vec::new();
+        let evicted = {
+            let mut pods = self.pods.lock();
+            let lru = pods.entry(Arc::from(pod)).or_insert_with(|| PodLru {
+                model: model.to_string(),
+                cap: cap as f64,
+                order: VecDeque::new(),
+                live: hashbrown::HashMap::new(),
+            });
+            for &b in chain {
+                match lru.live.insert(b, now) {
+                    Some(before) if now.saturating_duration_since(before) < REFRESH => {}
+                    _ => fresh.push(b),
+                }
+                lru.order.push_back((b, now));
+            }
+            // Bounded by content, not traffic: a block sent again leaves its earlier queue
+            // entry stale; once stale entries outnumber live ones they are dropped (each
+            // pass removes at least half the queue, so this is amortized O(1) a block).
+            if lru.order.len() > 2 * lru.live.len() + 64 {
+                let live = &lru.live;
+                lru.order.retain(|(b, at)| live.get(b) == Some(at));
+            }
+            evict(lru, lru.cap as usize, None)
+        };
+        if !fresh.is_empty() {
+            let _ = ix.store(h, Tier::Gpu, &fresh);
+        }
+        if !evicted.is_empty() {
+            let _ = ix.remove(h, Tier::Gpu, &evicted);
+        }
+    }
+
+    /// Drop guesses older than `ttl`.
+    pub fn expire(&self, ttl: Duration, now: Instant) {
+        let mut work = Vec::new();
+        {
+            let mut pods = self.pods.lock();
+            for (pod, lru) in pods.iter_mut() {
+                let gone = evict(lru, usize::MAX, Some((ttl, now)));
+                if !gone.is_empty() {
+                    work.push((lru.model.clone(), pod.clone(), gone));
+                }
+            }
+        }
+        for (model, pod, gone) in work {
+            if let (Some(ix), Some(h)) = (
+                self.indexes.get(&model),
+                self.indexes.get(&model).and_then(|i| i.handle(&pod)),
+            ) {
+                let _ = ix.remove(h, Tier::Gpu, &gone);
+            }
+        }
+    }
+
+    /// Feedback from a completion report (AIMD on the pod's capacity).
+    pub fn feedback(&self, pod: &str, mispredicted: bool, grow_by: u64, max_cap: u64) {
+        let mut evicted = Vec::new();
+        let mut model = String::new();
+        {
+            let mut pods = self.pods.lock();
+            let Some(lru) = pods.get_mut(pod) else { return };
+            if mispredicted {
+                lru.cap = (lru.cap * 0.7).max(16.0);
+                evicted = evict(lru, lru.cap as usize, None);
+                model = lru.model.clone();
+            } else {
+                lru.cap = (lru.cap + grow_by as f64).min(max_cap as f64);
+            }
+        }
+        if !evicted.is_empty() {
+            if let Some(ix) = self.indexes.get(&model) {
+                if let Some(h) = ix.handle(pod) {
+                    let _ = ix.remove(h, Tier::Gpu, &evicted);
+                }
+            }
+        }
+    }
+
+    /// Forget a pod (removed or restarted). Returns the slot to clean.
+    pub fn forget(
+        &self,
+        model: &str,
+        pod: &str,
+    ) -> Option<(Arc<ModelIndex>, crate::index::Retired)> {
+        self.pods.lock().remove(pod);
+        let ix = self.indexes.get(model)?;
+        let r = ix.retire(pod)?;
+        Some((ix, r))
+    }
+
+    /// Entries in `pod`'s recency queue (tests: bounded by its live blocks).
+    #[cfg(test)]
+    pub fn queued(&self, pod: &str) -> usize {
+        self.pods.lock().get(pod).map_or(0, |l| l.order.len())
+    }
+
+    pub fn capacity_of(&self, pod: &str) -> Option<f64> {
+        self.pods.lock().get(pod).map(|l| l.cap)
+    }
+
+    pub fn entries(&self) -> u64 {
+        self.indexes
+            .all()
+            .iter()
+            .map(|(_, i)| i.stats().entries)
+            .sum()
+    }
+}
+
+/// Pop least-recent blocks until at most `cap` are live, or (with a TTL) all older than it.
+fn evict(lru: &mut PodLru, cap: usize, ttl: Option<(Duration, Instant)>) -> Vec<u64> {
+    let mut out = Vec::new();
+    while let Some(&(b, at)) = lru.order.front() {
+        let over = lru.live.len() > cap;
+        let expired = ttl.is_some_and(|(ttl, now)| now.duration_since(at) > ttl);
+        if !over && !expired {
+            break;
+        }
+        lru.order.pop_front();
+        // Only the latest insertion of a block counts; earlier queue entries are stale.
+        if lru.live.get(&b) == Some(&at) {
+            lru.live.remove(&b);
+            out.push(b);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn depth(p: &Predicted, chain: &[u64]) -> u32 {
+        depth_on(p, "p", chain)
+    }
+
+    fn depth_on(p: &Predicted, pod: &str, chain: &[u64]) -> u32 {
+        p.indexes
+            .get("m")
+            .map(|ix| ix.lookup(chain))
+            .unwrap_or_default()
+            .iter()
+            .find(|m| &*m.pod == pod)
+            .map_or(0, |m| m.depth)
+    }
+
+    #[test]
+    fn repeats_refresh_at_most_once_per_interval_and_expire_by_ttl() {
+        let p = Predicted::default();
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let chain: Vec<u64> = (1..=64).collect();
+        p.insert("m", "p", &chain, 1 << 16, at(0));
+        assert_eq!(depth(&p, &chain), 64);
+        // A repeat renews the guess (its TTL runs from the latest use)...
+        p.insert("m", "p", &chain, 1 << 16, at(500));
+        p.expire(Duration::from_millis(900), at(1000));
+        assert_eq!(depth(&p, &chain), 64, "renewed at 0.5 s");
+        // ...and a guess unused for longer than the TTL goes.
+        p.expire(Duration::from_millis(900), at(1500));
+        assert_eq!(depth(&p, &chain), 0, "expired");
+        assert_eq!(p.entries(), 0);
+        p.insert("m", "p", &chain, 1 << 16, at(2000));
+        assert_eq!(depth(&p, &chain), 64, "stored again after expiry");
+        // Capacity still bounds what is held: the oldest guesses go first.
+        let long: Vec<u64> = (1000..1100).collect();
+        p.insert("m", "q", &long, 32, at(3600));
+        p.insert("m", "q", &long, 32, at(3700));
+        assert_eq!(depth_on(&p, "q", &long), 0, "the prefix was evicted");
+        assert_eq!(depth_on(&p, "q", &long[68..]), 32, "the last 32 are held");
+    }
+
+    /// A conversation's history sent again and again (every turn of every chat) costs
+    /// memory in proportion to what is cached, not to how often it was sent.
+    #[test]
+    fn repeated_prompts_do_not_grow_the_queue() {
+        let p = Predicted::default();
+        let chain: Vec<u64> = (1..=64).collect();
+        let t0 = Instant::now();
+        for i in 0..10_000u64 {
+            p.insert(
+                "m",
+                "10.0.0.1:8000",
+                &chain,
+                4096,
+                t0 + Duration::from_millis(i),
+            );
+        }
+        assert!(
+            p.queued("10.0.0.1:8000") <= 2 * 64 + 64 + 64,
+            "{}",
+            p.queued("10.0.0.1:8000")
+        );
+        let ix = p.indexes.get("m").expect("index");
+        assert_eq!(
+            ix.lookup(&chain).first().map(|m| m.depth),
+            Some(64),
+            "still predicted"
+        );
+    }
+}

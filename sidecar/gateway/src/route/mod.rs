@@ -1,0 +1,701 @@
+//! Route requests and completion reports. A route runs named steps, one way:
+//! `validate` → `lookup` (confirmed and predicted index) → `candidates` (registry
+//! facts and the ledger's load views, under a registry view) → a [`Selector`] (the
+//! policy, or a simulator baseline) → `commit` (the ledger issues the decision) →
+//! `answer`. A completion report releases its decision by the id the route answer
+//! gave, and feeds the circuit breaker and predicted residency.
+//!
+//! Every step takes `now`, so the simulator drives this same code on a virtual clock
+//! ([`route_with`]).
+
+mod error;
+pub mod precise;
+mod report;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvroute_shared::protocol::{
+    LoadDelta, PolicyConfig, Ranked, Role, RouteRequest, RouteResponse,
+};
+use kvroute_shared::Mode;
+use serde_json::json;
+
+use crate::index::{ModelIndex, PodMatch};
+use crate::ledger::Placement;
+use crate::policy::{self, Ask, Candidate, PodFacts, Ranking};
+use crate::registry::View;
+use crate::state::Sidecar;
+
+pub use error::RouteError;
+pub use report::{report, report_at};
+
+const MAX_CHAIN: usize = 1 << 20;
+/// Candidates whose tier detail is looked up for scoring (the deepest few).
+const TIER_TOP: usize = 2;
+
+/// Picks a pod among the candidates. The service uses [`PolicySelector`]; the
+/// simulator's baselines implement it too, so every policy it compares sees the same
+/// candidates, loads and ledger.
+pub trait Selector {
+    fn select(
+        &mut self,
+        cfg: &PolicyConfig,
+        ask: &Ask,
+        req: &RouteRequest,
+        cands: &[Candidate],
+    ) -> Option<Ranking>;
+}
+
+/// kvroute's policy ([`policy::pick`]).
+pub struct PolicySelector;
+
+impl Selector for PolicySelector {
+    fn select(
+        &mut self,
+        cfg: &PolicyConfig,
+        ask: &Ask,
+        _req: &RouteRequest,
+        cands: &[Candidate],
+    ) -> Option<Ranking> {
+        policy::pick(cfg, ask, cands)
+    }
+}
+
+pub fn route(sc: &Sidecar, req: &RouteRequest) -> Result<RouteResponse, RouteError> {
+    let t0 = Instant::now();
+    let tokenized = precise::precise(sc, req);
+    let req = tokenized.as_ref().unwrap_or(req);
+    let r = route_with(sc, req, t0, &mut PolicySelector);
+    sc.metrics.route_seconds.observe(t0.elapsed().as_secs_f64());
+    match &r {
+        Ok(resp) if !req.dry_run => sc.recent.record(req, resp),
+        Ok(_) => {}
+        Err(e) => sc.metrics.route_errors.inc(e.reason(), 1),
+    }
+    r
+}
+
+/// A candidate and the pod it stands for.
+#[derive(Clone, Debug)]
+struct PodCandidate {
+    candidate: Candidate,
+    pod: Arc<str>,
+}
+
+/// The pods a route chose: the one that serves the request and, for a disaggregated
+/// model, the one that prefills (and so caches) its prompt.
+struct Chosen {
+    serving: PodCandidate,
+    prefill: Option<PodCandidate>,
+}
+
+impl Chosen {
+    /// The prompt's home: where it is prefilled and cached.
+    fn cache(&self) -> &PodCandidate {
+        self.prefill.as_ref().unwrap_or(&self.serving)
+    }
+}
+
+/// A decision the ledger took: its external id and the deltas for the other replicas.
+struct Committed {
+    id: String,
+    deltas: Vec<LoadDelta>,
+}
+
+/// What one route knows once its chain is looked up, shared by its later steps.
+struct Route<'a> {
+    sc: &'a Sidecar,
+    req: &'a RouteRequest,
+    cfg: &'a PolicyConfig,
+    facts: Facts,
+    ask: Ask,
+    now: Instant,
+}
+
+/// The whole route at `now`, picking with `sel`.
+pub fn route_with(
+    sc: &Sidecar,
+    req: &RouteRequest,
+    now: Instant,
+    sel: &mut dyn Selector,
+) -> Result<RouteResponse, RouteError> {
+    let cfg = sc.config();
+    validate(&cfg, req)?;
+    let r = Route::new(sc, req, &cfg, lookup(sc, req), now);
+    let pods = sc.registry().view();
+    let disaggregated = req.role.is_none() && pods.disaggregated(&req.model);
+    let main_role = if disaggregated {
+        Some(Role::Decode)
+    } else {
+        req.role
+    };
+    let mut cands = r.candidates(&pods, main_role);
+    if cands.is_empty() {
+        return Err(r.no_pod());
+    }
+    tier_hints(&r.facts, req, &mut cands);
+    let main_ask = Ask {
+        load_only: disaggregated,
+        ..r.ask
+    };
+    let only: Vec<Candidate> = cands.iter().map(|c| c.candidate.clone()).collect();
+    let ranking = sel
+        .select(&cfg, &main_ask, req, &only)
+        .ok_or_else(|| r.no_pod())?;
+    let chosen = Chosen {
+        serving: cands[ranking.chosen()].clone(),
+        // Disaggregated: the prefill pod by cache and prefill load.
+        prefill: disaggregated.then(|| r.prefill_pod(&pods)).flatten(),
+    };
+    let committed = (!req.dry_run).then(|| r.commit(&pods, &chosen));
+    drop(pods);
+    if let Some(c) = &committed {
+        sc.publish(c.deltas.clone());
+    }
+    Ok(r.answer(&cands, &ranking, &chosen, committed.map(|c| c.id)))
+}
+
+fn validate(cfg: &PolicyConfig, req: &RouteRequest) -> Result<(), RouteError> {
+    if req.model.is_empty() {
+        return Err(RouteError::EmptyModel);
+    }
+    if req.chain.len() > MAX_CHAIN {
+        return Err(RouteError::ChainTooLong(req.chain.len()));
+    }
+    let want = cfg.block_size(&req.model, req.mode);
+    if req.block_size != want {
+        return Err(RouteError::BlockSizeMismatch {
+            given: req.block_size,
+            want,
+            mode: req.mode,
+            model: req.model.clone(),
+        });
+    }
+    Ok(())
+}
+
+/// What the indexes say about a request's chain, and the keys derived from it.
+pub struct Facts {
+    pub index: Option<Arc<ModelIndex>>,
+    pub confirmed: Vec<PodMatch>,
+    pub predicted: Vec<PodMatch>,
+    /// The prefix the request is routed by: the last block of the deepest one held.
+    pub prefix_key: Option<u64>,
+    pub tie_key: u64,
+    pub prompt_blocks: u32,
+    /// Tokens one block stands for (text blocks are bytes: ~4 per token).
+    pub tokens_per_block: u64,
+}
+
+fn lookup(sc: &Sidecar, req: &RouteRequest) -> Facts {
+    let index = sc.indexes.get(&req.model);
+    let confirmed = index
+        .as_ref()
+        .map(|ix| ix.lookup(&req.chain))
+        .unwrap_or_default();
+    let predicted = sc
+        .predicted
+        .indexes
+        .get(&req.model)
+        .map(|ix| ix.lookup(&req.chain))
+        .unwrap_or_default();
+    let bs = req.block_size.max(1);
+    let tokens_per_block = if req.mode == Mode::Tokens {
+        bs
+    } else {
+        (bs / 4).max(1)
+    };
+    let prompt_blocks = (req.chain.len() as u32).max(req.prompt_tokens.div_ceil(tokens_per_block));
+    let deepest = confirmed
+        .iter()
+        .chain(&predicted)
+        .map(|m| m.depth)
+        .max()
+        .unwrap_or(0);
+    let tie_key = match (
+        policy::tie_key(&req.chain, deepest as usize),
+        &req.session,
+        &req.request_id,
+    ) {
+        (Some(h), _, _) => h,
+        (None, Some(s), _) => xxhash_rust::xxh3::xxh3_64(s.as_bytes()),
+        (None, None, Some(r)) => xxhash_rust::xxh3::xxh3_64(r.as_bytes()),
+        _ => 0,
+    };
+    let prefix_key = (deepest as usize)
+        .checked_sub(1)
+        .and_then(|d| req.chain.get(d))
+        .copied();
+    Facts {
+        index,
+        confirmed,
+        predicted,
+        prefix_key,
+        tie_key,
+        prompt_blocks,
+        tokens_per_block: tokens_per_block as u64,
+    }
+}
+
+impl<'a> Route<'a> {
+    fn new(
+        sc: &'a Sidecar,
+        req: &'a RouteRequest,
+        cfg: &'a PolicyConfig,
+        facts: Facts,
+        now: Instant,
+    ) -> Route<'a> {
+        let ask = Ask {
+            prompt_blocks: facts.prompt_blocks,
+            block_size: req.block_size.max(1),
+            tie_key: facts.tie_key,
+            seed: facts.tie_key ^ (crate::ledger::clock(now) * 1e9) as u64,
+            load_only: false,
+            spread_ties: sc.ledger().has_peers(now),
+        };
+        Route {
+            sc,
+            req,
+            cfg,
+            facts,
+            ask,
+            now,
+        }
+    }
+
+    fn no_pod(&self) -> RouteError {
+        RouteError::NoPod {
+            model: self.req.model.clone(),
+            adapter: self.req.adapter.clone(),
+        }
+    }
+
+    /// The pods that pass the Filter stage, with their cache facts and load, in pod-id
+    /// order (so every selector, and every replica, sees them in the same order).
+    fn candidates(&self, pods: &View<'_>, want: Option<Role>) -> Vec<PodCandidate> {
+        let (req, facts, now) = (self.req, &self.facts, self.now);
+        let mut ids: Vec<&Arc<str>> = pods
+            .of_model(&req.model)
+            .filter(|p| {
+                let f = PodFacts {
+                    role: p.reg.role,
+                    adapters: &p.reg.adapters,
+                    breaker_open: p.breaker_open(now),
+                };
+                policy::admissible(&f, &req.adapter, want)
+            })
+            // Alive in the index (a pod in phase 1 of removal is already out).
+            .filter(|p| {
+                facts
+                    .index
+                    .as_ref()
+                    .is_none_or(|ix| ix.handle(&p.id).is_some())
+            })
+            .map(|p| &p.id)
+            .collect();
+        ids.sort_unstable();
+        let ids: Vec<Arc<str>> = ids.into_iter().cloned().collect();
+        let loads = self
+            .sc
+            .ledger()
+            .views(&ids, facts.prefix_key, now, self.cfg);
+        let depth =
+            |ms: &[PodMatch], id: &str| ms.iter().find(|m| &*m.pod == id).map_or(0, |m| m.depth);
+        ids.into_iter()
+            .zip(loads)
+            .enumerate()
+            .filter_map(|(i, (id, load))| {
+                let p = pods.get(&id)?;
+                let candidate = Candidate {
+                    index: i,
+                    key: p.key,
+                    matched: depth(&facts.confirmed, &id),
+                    predicted: depth(&facts.predicted, &id),
+                    tiers: None,
+                    stale: p.stale,
+                    load: p.load_view(load, now),
+                };
+                Some(PodCandidate { candidate, pod: id })
+            })
+            .collect()
+    }
+
+    /// A disaggregated model's prefill pod, by cache and prefill load (kvroute's policy,
+    /// whatever selected the serving pod).
+    fn prefill_pod(&self, pods: &View<'_>) -> Option<PodCandidate> {
+        let pc = self.candidates(pods, Some(Role::Prefill));
+        let only: Vec<Candidate> = pc.iter().map(|c| c.candidate.clone()).collect();
+        policy::pick(self.cfg, &self.ask, &only).map(|r| pc[r.chosen()].clone())
+    }
+
+    /// Record the decision in the ledger (under the registry view, so a pod removed
+    /// meanwhile cannot get load or predicted blocks after its removal) and guess the
+    /// residency it creates where engines send no events.
+    fn commit(&self, pods: &View<'_>, chosen: &Chosen) -> Committed {
+        let (sc, req, facts) = (self.sc, self.req, &self.facts);
+        let (serving, cache) = (&chosen.serving, chosen.cache());
+        let hit_blocks = cache.candidate.matched.max(cache.candidate.predicted) as u64;
+        let expected_cached = (hit_blocks * facts.tokens_per_block).min(req.prompt_tokens as u64);
+        let predicted =
+            req.mode == Mode::Text || pods.get(&cache.pod).is_some_and(|p| !p.events_seen);
+        sc.metrics.decisions.inc(&serving.pod, 1);
+        sc.metrics
+            .matched_blocks
+            .observe(serving.candidate.matched.max(cache.candidate.matched) as f64);
+        let (id, deltas) = sc.ledger().commit(
+            Placement {
+                model: req.model.clone(),
+                pod: serving.pod.clone(),
+                prefill_pod: chosen
+                    .prefill
+                    .as_ref()
+                    .map(|p| p.pod.clone())
+                    .filter(|p| *p != serving.pod),
+                prefill_tokens: (req.prompt_tokens as u64).saturating_sub(expected_cached),
+                blocks: facts.prompt_blocks as u64,
+                prefix: facts.prefix_key,
+                expected_cached,
+                predicted,
+                chain_blocks: req.chain.len() as u64,
+            },
+            self.now,
+            self.cfg,
+        );
+        if predicted {
+            sc.predicted.insert(
+                &req.model,
+                &cache.pod,
+                &req.chain,
+                self.cfg.predicted_capacity_blocks,
+                self.now,
+            );
+        }
+        Committed {
+            id: sc.ledger().external_id(id),
+            deltas,
+        }
+    }
+
+    fn answer(
+        &self,
+        cands: &[PodCandidate],
+        ranking: &Ranking,
+        chosen: &Chosen,
+        decision: Option<String>,
+    ) -> RouteResponse {
+        let (req, facts, cfg) = (self.req, &self.facts, self.cfg);
+        let ranked = ranking
+            .order
+            .iter()
+            .map(|o| Ranked {
+                pod: cands[o.candidate].pod.to_string(),
+                matched_blocks: cands[o.candidate].candidate.matched,
+                score: Some(round3(o.score.cost)),
+            })
+            .collect();
+        let serving = &chosen.serving;
+        let tier_hint = serving.candidate.tiers.or_else(|| {
+            let ix = facts.index.as_ref()?;
+            let m = facts.confirmed.iter().find(|m| m.pod == serving.pod)?;
+            Some(ix.tier_hint(m.slot, &req.chain, m.depth))
+        });
+        let explain =
+            (cfg.explain || (req.dry_run && req.explain)).then(|| explain(cands, ranking));
+        RouteResponse {
+            pod: serving.pod.to_string(),
+            decision,
+            ranked,
+            tier_hint,
+            prefill_pod: chosen.prefill.as_ref().map(|p| p.pod.to_string()),
+            policy_version: cfg.version,
+            explain,
+        }
+    }
+}
+
+/// Tier detail for the deepest few candidates only (it is kept off the lookup path).
+fn tier_hints(facts: &Facts, req: &RouteRequest, cands: &mut [PodCandidate]) {
+    let Some(ix) = &facts.index else { return };
+    let mut by_depth: Vec<usize> = (0..cands.len())
+        .filter(|&i| cands[i].candidate.matched > 0)
+        .collect();
+    by_depth.sort_by_key(|&i| std::cmp::Reverse(cands[i].candidate.matched));
+    for &i in by_depth.iter().take(TIER_TOP) {
+        if let Some(m) = facts.confirmed.iter().find(|m| m.pod == cands[i].pod) {
+            cands[i].candidate.tiers = Some(ix.tier_hint(m.slot, &req.chain, m.depth));
+        }
+    }
+}
+
+/// Every candidate's cost, term by term (the answer's `explain`).
+fn explain(cands: &[PodCandidate], ranking: &Ranking) -> serde_json::Value {
+    json!(ranking
+        .order
+        .iter()
+        .map(|o| {
+            let (c, s) = (&cands[o.candidate].candidate, &o.score);
+            json!({
+                "pod": &*cands[o.candidate].pod, "matched": c.matched, "predicted": c.predicted,
+                "stale": c.stale, "hits": round3(s.hits), "uncached": round3(s.uncached),
+                "queued_prefill_blocks": round3(s.queued_prefill), "decode_blocks": s.decode,
+                "inflight": c.load.inflight, "recent_blocks": round3(c.load.recent_blocks),
+                "within_balance": o.within_balance, "cost": round3(s.cost),
+            })
+        })
+        .collect::<Vec<_>>())
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute_shared::protocol::{CompletionReport, LoadOp, PodRegistration, PolicyConfig};
+
+    /// A sidecar with the default policy and four registered pods of model "m"; the
+    /// second value keeps its channels open.
+    fn four_pods() -> (std::sync::Arc<Sidecar>, impl Sized) {
+        let (sc, ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+        for p in 0..4 {
+            let reg: PodRegistration =
+                serde_json::from_value(serde_json::json!({"model": "m"})).expect("reg");
+            sc.register(&format!("10.0.0.{p}:8000"), reg)
+                .expect("register");
+        }
+        (sc, ch)
+    }
+
+    /// A completion report for a route answer.
+    fn done_with(sc: &Sidecar, answer: &RouteResponse, status: u16) {
+        report(
+            sc,
+            &CompletionReport {
+                decision: answer.decision.clone().unwrap_or_default(),
+                pod: answer.pod.clone(),
+                status,
+                ..Default::default()
+            },
+        );
+    }
+
+    fn done(sc: &Sidecar, answer: &RouteResponse) {
+        done_with(sc, answer, 200)
+    }
+
+    fn tokens_req(chain: Vec<u64>, request_id: &str) -> RouteRequest {
+        RouteRequest {
+            model: "m".into(),
+            adapter: String::new(),
+            mode: Mode::Tokens,
+            block_size: 16,
+            prompt_tokens: chain.len() as u32 * 16,
+            chain,
+            request_id: Some(request_id.into()),
+            session: None,
+            role: None,
+            dry_run: false,
+            explain: false,
+            prompt_body: None,
+        }
+    }
+
+    #[test]
+    fn cold_prompts_find_homes_by_recent_work_after_their_load_is_gone() {
+        let (sc, _ch) = four_pods();
+        // Each prompt is done (reported) before the next arrives, so in-flight load and
+        // queued prefill say nothing; only the work each pod drew lately tells them apart.
+        let mut homes = std::collections::HashSet::new();
+        for i in 0..4u64 {
+            let req = tokens_req(
+                (0..8).map(|b| 1000 * (i + 1) + b).collect(),
+                &format!("c{i}"),
+            );
+            let d = route(&sc, &req).expect("route");
+            done(&sc, &d);
+            homes.insert(d.pod);
+        }
+        assert_eq!(homes.len(), 4, "{homes:?}");
+    }
+
+    #[test]
+    fn prefix_load_follows_decisions_and_is_released() {
+        let (sc, _ch) = four_pods();
+        // Text mode: every decision is also a prediction, so the second request is routed
+        // by the first one's prefix.
+        let req = |i: u32| RouteRequest {
+            model: "m".into(),
+            adapter: String::new(),
+            mode: Mode::Text,
+            block_size: 256,
+            chain: (1..=8).chain([100 + i as u64]).collect(),
+            prompt_tokens: 9 * 64,
+            request_id: Some(format!("r{i}")),
+            session: None,
+            role: None,
+            dry_run: false,
+            explain: false,
+            prompt_body: None,
+        };
+        let first = route(&sc, &req(0)).expect("route");
+        assert_eq!(
+            sc.ledger().prefixes_in_flight(),
+            0,
+            "a cold prompt has no prefix"
+        );
+        let mut answers = vec![first.clone()];
+        for i in 1..=3 {
+            answers.push(route(&sc, &req(i)).expect("route"));
+        }
+        let held: u32 = sc.ledger().prefix_inflight(8).values().sum();
+        assert_eq!(held, 3);
+        assert!(sc
+            .ledger()
+            .prefix_inflight(8)
+            .contains_key(first.pod.as_str()));
+        for a in &answers {
+            done(&sc, a);
+        }
+        assert_eq!(
+            sc.ledger().prefixes_in_flight(),
+            0,
+            "reports release every count"
+        );
+        assert_eq!(sc.ledger().outstanding(), 0);
+        // Another replica's decisions count too, and go with their release.
+        let delta = |op, id: &str| kvroute_shared::protocol::LoadDelta {
+            replica: "other".into(),
+            id: id.into(),
+            pod: "10.0.0.1:8000".into(),
+            model: "m".into(),
+            op,
+            prefill_tokens: 64,
+            blocks: 9,
+            prefix: Some(8),
+            inflight: true,
+        };
+        let n = |sc: &Sidecar| sc.ledger().prefix_inflight(8).get("10.0.0.1:8000").copied();
+        sc.apply_remote(&delta(LoadOp::Add, "x1"));
+        sc.apply_remote(&delta(LoadOp::Add, "x2"));
+        sc.apply_remote(&delta(LoadOp::Add, "x2"));
+        assert_eq!(n(&sc), Some(2), "a repeated add changes nothing");
+        sc.apply_remote(&delta(LoadOp::Release, "x1"));
+        sc.apply_remote(&delta(LoadOp::Release, "x1"));
+        assert_eq!(n(&sc), Some(1), "a duplicate release changes nothing");
+        sc.apply_remote(&delta(LoadOp::Release, "x2"));
+        assert_eq!(sc.ledger().prefixes_in_flight(), 0);
+        assert_eq!(sc.ledger().remote_count("10.0.0.1:8000"), 0);
+    }
+
+    /// A client's request id never names a ledger entry: twenty concurrent requests
+    /// with the same `x-request-id` are twenty decisions, each released by its own
+    /// report, and the pods end with nothing in flight.
+    #[test]
+    fn the_same_request_id_on_concurrent_requests_releases_every_decision() {
+        let (sc, _ch) = four_pods();
+        let answers: Vec<RouteResponse> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..20u64)
+                .map(|i| {
+                    let sc = &sc;
+                    s.spawn(move || {
+                        route(
+                            sc,
+                            &tokens_req((0..4).map(|b| 7000 + 10 * i + b).collect(), "same"),
+                        )
+                        .expect("route")
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("thread")).collect()
+        });
+        let ids: std::collections::HashSet<_> =
+            answers.iter().map(|a| a.decision.clone()).collect();
+        assert_eq!(ids.len(), 20, "every decision has its own id");
+        assert_eq!(sc.ledger().outstanding(), 20);
+        for a in &answers {
+            done(&sc, a);
+            done(&sc, a); // a repeated report releases nothing twice
+        }
+        assert_eq!(sc.ledger().outstanding(), 0);
+        let now = Instant::now();
+        let cfg = sc.config();
+        for p in 0..4 {
+            let v = sc
+                .ledger()
+                .view(&format!("10.0.0.{p}:8000"), None, now, &cfg);
+            assert_eq!((v.inflight, v.decode_blocks), (0, 0), "pod {p}: {v:?}");
+        }
+        // A report that names no decision, or another replica's, releases nothing.
+        let a = route(&sc, &tokens_req(vec![1, 2, 3], "same")).expect("route");
+        for decision in ["", "same", "0000000000000000-1"] {
+            report(
+                &sc,
+                &CompletionReport {
+                    decision: decision.into(),
+                    pod: a.pod.clone(),
+                    status: 200,
+                    ..Default::default()
+                },
+            );
+        }
+        assert_eq!(sc.ledger().outstanding(), 1);
+        // The twenty repeated reports and the two that name no decision of ours.
+        assert_eq!(sc.metrics.report_decisions.get("unknown"), 22);
+        assert_eq!(sc.metrics.report_decisions.get("none"), 1);
+    }
+
+    /// A client that gives up before any answer (the filter reports status 0) is not a
+    /// pod failure; server errors in a row still open the breaker.
+    #[test]
+    fn client_aborts_do_not_open_the_breaker() {
+        let (sc, _ch) = four_pods();
+        let cfg = sc.config();
+        let req = tokens_req(vec![11, 12, 13], "r");
+        let pod = route(&sc, &req).expect("route").pod;
+        for _ in 0..(cfg.breaker_failures * 3) {
+            let a = route(
+                &sc,
+                &RouteRequest {
+                    dry_run: false,
+                    explain: false,
+                    prompt_body: None,
+                    ..req.clone()
+                },
+            )
+            .expect("route");
+            done_with(
+                &sc,
+                &RouteResponse {
+                    pod: pod.clone(),
+                    ..a
+                },
+                0,
+            );
+        }
+        let open = |sc: &Sidecar| {
+            sc.registry()
+                .get(pod.as_str())
+                .is_some_and(|p| p.breaker_open(Instant::now()))
+        };
+        assert!(!open(&sc), "aborts opened the breaker");
+        for _ in 0..cfg.breaker_failures {
+            let a = route(&sc, &req).expect("route");
+            done_with(
+                &sc,
+                &RouteResponse {
+                    pod: pod.clone(),
+                    ..a
+                },
+                502,
+            );
+        }
+        assert!(open(&sc), "server errors must open it");
+        assert_eq!(
+            sc.ledger().outstanding(),
+            1,
+            "every reported decision was released"
+        );
+    }
+}

@@ -1,0 +1,389 @@
+//! A model's own tokenizer and chat template, so chat and text prompts are chained as the
+//! token ids the engine computes — and match its KV events block for block.
+//!
+//! Semantics are the engine's (vLLM's `/v1/chat/completions` and `/v1/completions`):
+//! - chat: the template rendered with `messages` (assistant tool calls' `arguments` as
+//!   objects, as vLLM passes them: `engine_messages`), `tools`, `add_generation_prompt=True`,
+//!   the special tokens' strings and the request's `chat_template_kwargs`; the text then
+//!   encoded without adding special tokens (the template writes them; they are parsed
+//!   as special tokens, so there is no second BOS);
+//! - completions: the prompt encoded with special tokens added.
+//!
+//! Loading reads a Hugging Face model directory: `tokenizer.json` (the `tokenizers`
+//! library — no hand-written BPE), the chat template from `chat_template.jinja` or
+//! `tokenizer_config.json` (a string, or named templates of which `default` or the
+//! first is used), and the special tokens there. Special tokens are added as
+//! `tokenizer.json`'s post-processor says; `add_bos_token`/`add_eos_token` in the config
+//! are ignored as transformers ignores them when `tokenizer.json` is present (the fidelity
+//! test's trained fixture sets them against its post-processor to hold us to that).
+//!
+//! Cost proportional to what is new: the tokenizer splits text at its added tokens
+//! before anything else and encodes the pieces between them independently, so a piece's
+//! ids depend only on the piece (and, for some pre-tokenizers, on whether it starts the
+//! text). [`cache::SegmentCache`] keeps the ids of pieces already seen, shared by all
+//! requests: a conversation's next turn encodes only its new messages, a system prompt
+//! is encoded once. A piece not at the start is encoded behind a special token that is
+//! then dropped, so it sees exactly the context it has in the whole text. A tokenizer
+//! whose added tokens strip whitespace or match on normalized text (with a normalizer
+//! that changes text) gets no cache: every request is encoded whole, still exactly.
+
+mod cache;
+mod chat;
+mod error;
+pub mod template;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use aho_corasick::{AhoCorasick, MatchKind};
+use serde_json::Value;
+
+pub use cache::{CacheStats, SegmentCache};
+pub use error::TokenizeError;
+
+/// The special tokens' strings a template may print.
+const SPECIAL_NAMES: [&str; 4] = ["bos_token", "eos_token", "unk_token", "pad_token"];
+
+/// How the text is cut at added tokens (None: no cache for this tokenizer).
+struct Splitter {
+    /// Added tokens matched on the raw text, and their ids.
+    raw: AhoCorasick,
+    raw_ids: Vec<u32>,
+    /// Added tokens matched on normalized text (the normalizer leaves text unchanged).
+    normalized: Option<(AhoCorasick, Vec<u32>)>,
+    /// A special token to put in front of a piece that does not start the text.
+    lead: (String, u32),
+}
+
+pub struct ModelTokenizer {
+    dir: PathBuf,
+    tok: tokenizers::Tokenizer,
+    env: Option<minijinja::Environment<'static>>,
+    specials: HashMap<&'static str, String>,
+    splitter: Option<Splitter>,
+    cache: SegmentCache,
+}
+
+/// One piece of text between added tokens.
+enum Piece<'a> {
+    Added(u32),
+    Text { text: &'a str, at_start: bool },
+}
+
+fn token_string(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_owned),
+        _ => None,
+    }
+}
+
+fn load_err(p: &Path, e: impl std::fmt::Display) -> TokenizeError {
+    TokenizeError::Load(format!("{}: {e}", p.display()))
+}
+
+impl ModelTokenizer {
+    /// Load a Hugging Face model directory; `cache_bytes` bounds the segment cache.
+    pub fn load(dir: &Path, cache_bytes: usize) -> Result<ModelTokenizer, TokenizeError> {
+        let tj = dir.join("tokenizer.json");
+        let tok = tokenizers::Tokenizer::from_file(&tj).map_err(|e| load_err(&tj, e))?;
+        let cfg_path = dir.join("tokenizer_config.json");
+        let cfg: Value = match std::fs::read(&cfg_path) {
+            Ok(b) => serde_json::from_slice(&b).map_err(|e| load_err(&cfg_path, e))?,
+            Err(_) => Value::Null,
+        };
+        let jinja = dir.join("chat_template.jinja");
+        let source = match std::fs::read_to_string(&jinja) {
+            Ok(s) => Some(s),
+            Err(_) => match &cfg["chat_template"] {
+                Value::String(s) => Some(s.clone()),
+                Value::Array(named) => named
+                    .iter()
+                    .find(|t| t["name"] == "default")
+                    .or(named.first())
+                    .and_then(|t| t["template"].as_str())
+                    .map(str::to_owned),
+                _ => None,
+            },
+        };
+        let env = source
+            .map(template::environment)
+            .transpose()
+            .map_err(|e| load_err(&jinja, e))?;
+        let specials = SPECIAL_NAMES
+            .iter()
+            .filter_map(|n| token_string(&cfg[*n]).map(|s| (*n, s)))
+            .collect();
+        let splitter = Self::splitter(&tj)?;
+        Ok(ModelTokenizer {
+            dir: dir.to_owned(),
+            tok,
+            env,
+            specials,
+            splitter,
+            cache: SegmentCache::new(cache_bytes),
+        })
+    }
+
+    /// The added tokens as the tokenizer splits on them, when pieces can be encoded
+    /// independently (see the module doc).
+    fn splitter(tj: &Path) -> Result<Option<Splitter>, TokenizeError> {
+        #[derive(serde::Deserialize)]
+        struct Added {
+            id: u32,
+            content: String,
+            #[serde(default)]
+            single_word: bool,
+            #[serde(default)]
+            lstrip: bool,
+            #[serde(default)]
+            rstrip: bool,
+            #[serde(default)]
+            normalized: bool,
+            #[serde(default)]
+            special: bool,
+        }
+        #[derive(serde::Deserialize)]
+        struct File {
+            #[serde(default)]
+            added_tokens: Vec<Added>,
+            #[serde(default)]
+            normalizer: Value,
+        }
+        let f: File = serde_json::from_slice(&std::fs::read(tj).map_err(|e| load_err(tj, e))?)
+            .map_err(|e| load_err(tj, e))?;
+        let trivial_normalizer = match &f.normalizer {
+            Value::Null => true,
+            v => v["type"] == "Sequence" && v["normalizers"].as_array().is_some_and(Vec::is_empty),
+        };
+        if f.added_tokens
+            .iter()
+            .any(|a| a.single_word || a.lstrip || a.rstrip || (a.normalized && !trivial_normalizer))
+        {
+            return Ok(None);
+        }
+        let Some(lead) = f
+            .added_tokens
+            .iter()
+            .find(|a| a.special && !a.normalized && !a.content.is_empty())
+            .map(|a| (a.content.clone(), a.id))
+        else {
+            return Ok(None);
+        };
+        let build = |set: Vec<&Added>| -> Result<(AhoCorasick, Vec<u32>), TokenizeError> {
+            let ac = AhoCorasick::builder()
+                .match_kind(MatchKind::LeftmostLongest)
+                .build(set.iter().map(|a| a.content.as_str()))
+                .map_err(|e| load_err(tj, e))?;
+            Ok((ac, set.iter().map(|a| a.id).collect()))
+        };
+        let (raw, raw_ids) = build(f.added_tokens.iter().filter(|a| !a.normalized).collect())?;
+        let norm: Vec<&Added> = f.added_tokens.iter().filter(|a| a.normalized).collect();
+        let normalized = if norm.is_empty() {
+            None
+        } else {
+            Some(build(norm)?)
+        };
+        Ok(Some(Splitter {
+            raw,
+            raw_ids,
+            normalized,
+            lead,
+        }))
+    }
+
+    /// Use the template in `file` instead of the directory's, as an engine started with
+    /// vLLM's `--chat-template FILE` does.
+    pub fn with_chat_template(mut self, file: &Path) -> Result<ModelTokenizer, TokenizeError> {
+        let source = std::fs::read_to_string(file).map_err(|e| load_err(file, e))?;
+        self.env = Some(template::environment(source).map_err(|e| load_err(file, e))?);
+        Ok(self)
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn has_template(&self) -> bool {
+        self.env.is_some()
+    }
+
+    /// Whether requests share encoded pieces (see the module doc).
+    pub fn caches_segments(&self) -> bool {
+        self.splitter.is_some()
+    }
+
+    pub fn cache_stats(&self) -> CacheStats {
+        self.cache.stats()
+    }
+
+    /// The token ids of a request body: chat (rendered, then encoded without added
+    /// special tokens) or completions (a string prompt, encoded with them).
+    pub fn tokenize_request(&self, chat: bool, body: &Value) -> Result<Vec<u32>, TokenizeError> {
+        self.tokenize_value(chat, &minijinja::Value::from_serialize(body))
+    }
+
+    /// [`ModelTokenizer::tokenize_request`] of a body given as JSON text (the route
+    /// path: parsed once, straight into the template's values).
+    pub fn tokenize_json(&self, chat: bool, json: &str) -> Result<Vec<u32>, TokenizeError> {
+        self.tokenize_value(chat, &parse_body(json)?)
+    }
+
+    fn tokenize_value(
+        &self,
+        chat: bool,
+        body: &minijinja::Value,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        use minijinja::value::ValueKind;
+        if chat {
+            let text = self.render_chat_value(body)?;
+            let special = body
+                .get_attr("add_special_tokens")
+                .ok()
+                .is_some_and(|v| v.is_true());
+            return self.encode(&text, special);
+        }
+        let prompt = body.get_attr("prompt").unwrap_or_default();
+        let first = match prompt.kind() {
+            // A batch goes to one pod: route by its first prompt, as the filter does.
+            ValueKind::Seq => prompt.get_item_by_index(0).unwrap_or_default(),
+            _ => prompt,
+        };
+        match first.as_str() {
+            Some(p) => self.encode(p, true),
+            None => Err(TokenizeError::BadRequest(
+                "a completions body needs a string `prompt`".into(),
+            )),
+        }
+    }
+
+    /// Encode `text` as the engine does; pieces between added tokens come from the
+    /// cache when they can (chat), the whole text otherwise.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+        match (&self.splitter, add_special_tokens) {
+            (Some(sp), false) => self.encode_pieces(sp, text),
+            _ => self.encode_whole(text, add_special_tokens),
+        }
+    }
+
+    /// The reference: the tokenizer on the whole text, no cache.
+    pub fn encode_whole(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        self.tok
+            .encode_fast(text, add_special_tokens)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TokenizeError::Encode(e.to_string()))
+    }
+
+    fn encode_pieces(&self, sp: &Splitter, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        let mut ids = Vec::with_capacity(text.len() / 3);
+        for piece in split(sp, text) {
+            match piece {
+                Piece::Added(id) => ids.push(id),
+                Piece::Text { text, at_start } => {
+                    let got = self.cache.get_or_try_insert(text, at_start, || {
+                        self.encode_piece(sp, text, at_start)
+                    })?;
+                    ids.extend_from_slice(&got);
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    fn encode_piece(
+        &self,
+        sp: &Splitter,
+        text: &str,
+        at_start: bool,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        if at_start {
+            return self.encode_whole(text, false);
+        }
+        let mut s = String::with_capacity(sp.lead.0.len() + text.len());
+        s.push_str(&sp.lead.0);
+        s.push_str(text);
+        let ids = self.encode_whole(&s, false)?;
+        match ids.split_first() {
+            Some((first, rest)) if *first == sp.lead.1 => Ok(rest.to_vec()),
+            _ => Err(TokenizeError::Encode(format!(
+                "the lead token {:?} did not encode alone",
+                sp.lead.0
+            ))),
+        }
+    }
+}
+
+/// A request body parsed straight into the template's values.
+fn parse_body(json: &str) -> Result<minijinja::Value, TokenizeError> {
+    serde_json::from_str(json).map_err(|e| TokenizeError::BadRequest(format!("prompt body: {e}")))
+}
+
+/// Cut `text` at added tokens as the tokenizer does: first the raw-text tokens
+/// (leftmost-longest), then, inside what is left, the normalized-text ones.
+fn split<'a>(sp: &Splitter, text: &'a str) -> Vec<Piece<'a>> {
+    let mut out = Vec::new();
+    let push_text = |out: &mut Vec<Piece<'a>>, start: usize, end: usize| {
+        if start >= end {
+            return;
+        }
+        let seg = &text[start..end];
+        match &sp.normalized {
+            None => out.push(Piece::Text {
+                text: seg,
+                at_start: start == 0,
+            }),
+            Some((ac, ids)) => {
+                let mut at = start;
+                for m in ac.find_iter(seg) {
+                    if start + m.start() > at {
+                        out.push(Piece::Text {
+                            text: &text[at..start + m.start()],
+                            at_start: at == 0,
+                        });
+                    }
+                    out.push(Piece::Added(ids[m.pattern().as_usize()]));
+                    at = start + m.end();
+                }
+                if at < end {
+                    out.push(Piece::Text {
+                        text: &text[at..end],
+                        at_start: at == 0,
+                    });
+                }
+            }
+        }
+    };
+    let mut at = 0;
+    for m in sp.raw.find_iter(text) {
+        push_text(&mut out, at, m.start());
+        out.push(Piece::Added(sp.raw_ids[m.pattern().as_usize()]));
+        at = m.end();
+    }
+    push_text(&mut out, at, text.len());
+    out
+}
+
+/// Tokenizers by model, loaded at start (`--tokenizer MODEL=DIR`).
+#[derive(Default)]
+pub struct Tokenizers {
+    by_model: HashMap<String, Arc<ModelTokenizer>>,
+}
+
+impl Tokenizers {
+    pub fn insert(&mut self, model: &str, t: ModelTokenizer) {
+        self.by_model.insert(model.to_owned(), Arc::new(t));
+    }
+
+    pub fn get(&self, model: &str) -> Option<&Arc<ModelTokenizer>> {
+        self.by_model.get(model)
+    }
+
+    pub fn models(&self) -> impl Iterator<Item = (&String, &Arc<ModelTokenizer>)> {
+        self.by_model.iter()
+    }
+}
