@@ -37,7 +37,7 @@ pub async fn run(
     }
 }
 
-/// One pass of the periodic upkeep (public for tests).
+/// One pass of the periodic upkeep.
 pub fn sweep(sc: &Sidecar, now: Instant) {
     let cfg = sc.config();
     // Liveness: pods that have spoken (sent any batch) and then went silent.

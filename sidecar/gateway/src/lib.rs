@@ -39,12 +39,9 @@ mod status;
 mod tokenize;
 mod ui;
 
-pub use cleaner::sweep;
-pub use ingest::{
-    apply_dump, fetch_dumps, ingest, ingest_at, IngestError, Ingested, Recovery, ResyncJob,
-};
+pub use ingest::{fetch_dumps, ingest, ingest_at, IngestError, Ingested, Recovery, ResyncJob};
 pub use ledger::{clock_origin, Ledger};
-pub use registry::{Pod, Registry, MAX_MODELS, MAX_PODS};
+pub use registry::{Pod, Registry};
 pub use route::{
     precise::precise, report, report_at, route, route_with, PolicySelector, RouteError, Selector,
 };

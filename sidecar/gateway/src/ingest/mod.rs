@@ -15,7 +15,7 @@
 
 mod apply;
 mod error;
-pub mod recovery;
+mod recovery;
 #[cfg(test)]
 mod tests;
 
@@ -29,7 +29,7 @@ use crate::registry::Advance;
 use crate::state::Sidecar;
 
 pub use error::IngestError;
-pub use recovery::{apply_dump, fetch_dumps, Recovery, ResyncJob};
+pub use recovery::{fetch_dumps, Recovery, ResyncJob};
 
 /// What a batch did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]

@@ -1,5 +1,6 @@
 //! Hostile batches: each is refused with its label and leaves nothing behind.
 use super::*;
+use crate::ingest::recovery::apply_dump;
 use crate::registry::{dump_url_on_pod, MAX_MODELS, MAX_PODS};
 use kvroute_shared::protocol::{Event, PolicyConfig};
 
