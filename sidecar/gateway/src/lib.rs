@@ -8,7 +8,8 @@
 //! - `route`: lookup → candidates → selector → decision; reports release it;
 //! - `ledger`: the one owner of projected load (decisions, other replicas' deltas,
 //!   per-prefix in-flight counts, prefill horizons, recent work);
-//! - `predicted`: residency guessed from decisions, for engines without events;
+//! - `predicted`: residency guessed from decisions, for engines without events, and
+//!   `text_tokens`: the tokens a text chain's bytes stand for, learned from reports;
 //! - `tokenize`: the model's chat template and tokenizer, for precise routing;
 //! - `state`, `http`, `nats`, `cleaner`, `serve`: the service around them;
 //! - `hashcli`: the operator's chain printer.
@@ -36,6 +37,7 @@ mod route;
 mod serve;
 mod state;
 mod status;
+mod text_tokens;
 mod tokenize;
 mod ui;
 

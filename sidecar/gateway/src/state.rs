@@ -60,6 +60,8 @@ pub struct Sidecar {
     pub recent: crate::recent::Recent,
     /// Per model: do engines' cached_tokens agree with the index (written by reports).
     pub agreement: crate::agreement::Agreement,
+    /// Tokens per byte of text chains, per model and pod (written by reports).
+    pub text_tokens: crate::text_tokens::TextTokens,
     /// Tokenizers by model (set at start; read by routes that carry a prompt body).
     tokenizers: RwLock<Arc<crate::tokenize::Tokenizers>>,
 }
@@ -118,6 +120,7 @@ impl Sidecar {
             outbox,
             recent: Default::default(),
             agreement: Default::default(),
+            text_tokens: Default::default(),
             tokenizers: Default::default(),
         };
         Ok((
@@ -230,6 +233,7 @@ impl Sidecar {
         };
         self.publish(deltas);
         self.drop_from_index(&pod.reg.model, id);
+        self.text_tokens.forget_pod(id);
         self.metrics.forget_pod(id);
         self.metrics.pods_removed.inc(reason, 1);
         true

@@ -30,6 +30,7 @@ pub fn pod(sc: &Sidecar, p: &crate::registry::Pod, now: Instant) -> Value {
         "stale": p.stale, "events_seen": p.events_seen, "blocks": blocks, "tiers": tiers,
         "event_lag_s": sc.metrics.event_lag(&p.id),
         "predicted_capacity_blocks": sc.predicted.capacity_of(&p.id),
+        "text_tokens": sc.text_tokens.of_pod(&p.id),
         "last_seen_s": now.duration_since(p.last_seen).as_secs_f64(),
         "breaker_open": p.breaker_open(now),
         "engine": p.engine.map(|e| json!({"running": e.running, "waiting": e.waiting, "kv_usage": e.kv_usage})),
@@ -56,20 +57,27 @@ pub fn snapshot(sc: &Sidecar) -> Value {
                    "live_pods": s.live_pods, "draining_pods": s.draining_pods, "evicted": s.evicted}),
         );
     }
-    // Models known only by a registration or a tokenizer have no index yet.
+    // Models known only by a registration, a tokenizer or reports have no index yet.
     let toks = sc.tokenizers();
+    let text = sc.text_tokens.models();
     let named = pods
         .iter()
         .map(|p| &p.reg.model)
-        .chain(toks.models().map(|(m, _)| m));
+        .chain(toks.models().map(|(m, _)| m))
+        .chain(text.iter().map(|(m, _)| m));
     for name in named {
         models.entry(name.clone()).or_insert_with(|| {
             json!({"model": name, "index_entries": 0, "index_bytes": 0,
                    "live_pods": 0, "draining_pods": 0, "evicted": 0})
         });
     }
+    let estimates: BTreeMap<_, _> = text.into_iter().collect();
     for (name, v) in models.iter_mut() {
         let mc = cfg.model(name);
+        v["text_tokens"] = json!(estimates
+            .get(name)
+            .copied()
+            .unwrap_or(crate::text_tokens::Estimate::DEFAULT));
         v["block_size"] = json!(mc.block_size);
         v["text_block_bytes"] = json!(mc.text_block_bytes);
         v["tokenizer"] = toks.get(name).map_or(Value::Null, |t| {

@@ -63,9 +63,16 @@ pub struct Placement {
     pub prefix: Option<u64>,
     /// Tokens the router expected the engine to find cached.
     pub expected_cached: u64,
+    /// How many fewer cached tokens than expected the engine may report before the guess
+    /// counts as wrong: one block, plus the tokens-per-block estimate's error over the
+    /// blocks expected (text chains).
+    pub slack_tokens: u64,
     /// The cache pod's residency was a guess (predicted mode).
     pub predicted: bool,
     pub chain_blocks: u64,
+    /// A text-mode prompt's canonical length in bytes (its report's `prompt_tokens` is a
+    /// sample of the model's tokens per byte).
+    pub text_bytes: Option<u64>,
 }
 
 /// An outstanding decision of this replica.

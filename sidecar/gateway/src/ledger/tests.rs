@@ -23,8 +23,10 @@ fn decision(pod: &str, prefill_pod: Option<&str>, prefix: Option<u64>) -> Placem
         blocks: 10,
         prefix,
         expected_cached: 0,
+        slack_tokens: 16,
         predicted: false,
         chain_blocks: 10,
+        text_bytes: None,
     }
 }
 

@@ -97,6 +97,15 @@ impl Chosen {
     }
 }
 
+/// A prompt's size in the engine's tokens, as a decision assumes it.
+struct PromptTokens {
+    prompt: u64,
+    per_block: f64,
+    /// Relative error of `per_block`.
+    rel_err: f64,
+    text_bytes: Option<u64>,
+}
+
 /// A decision the ledger took: its external id and the deltas for the other replicas.
 struct Committed {
     id: String,
@@ -184,8 +193,6 @@ pub struct Facts {
     pub prefix_key: Option<u64>,
     pub tie_key: u64,
     pub prompt_blocks: u32,
-    /// Tokens one block stands for (text blocks are bytes: ~4 per token).
-    pub tokens_per_block: u64,
 }
 
 fn lookup(sc: &Sidecar, req: &RouteRequest) -> Facts {
@@ -200,13 +207,16 @@ fn lookup(sc: &Sidecar, req: &RouteRequest) -> Facts {
         .get(&req.model)
         .map(|ix| ix.lookup(&req.chain))
         .unwrap_or_default();
+    // A text prompt's `prompt_tokens` is the filter's count at four bytes a token, so
+    // this is its length in blocks either way.
     let bs = req.block_size.max(1);
-    let tokens_per_block = if req.mode == Mode::Tokens {
+    let approx_tokens_per_block = if req.mode == Mode::Tokens {
         bs
     } else {
         (bs / 4).max(1)
     };
-    let prompt_blocks = (req.chain.len() as u32).max(req.prompt_tokens.div_ceil(tokens_per_block));
+    let prompt_blocks =
+        (req.chain.len() as u32).max(req.prompt_tokens.div_ceil(approx_tokens_per_block));
     let deepest = confirmed
         .iter()
         .chain(&predicted)
@@ -234,7 +244,6 @@ fn lookup(sc: &Sidecar, req: &RouteRequest) -> Facts {
         prefix_key,
         tie_key,
         prompt_blocks,
-        tokens_per_block: tokens_per_block as u64,
     }
 }
 
@@ -336,7 +345,8 @@ impl<'a> Route<'a> {
         let (sc, req, facts) = (self.sc, self.req, &self.facts);
         let (serving, cache) = (&chosen.serving, chosen.cache());
         let hit_blocks = cache.candidate.matched.max(cache.candidate.predicted) as u64;
-        let expected_cached = (hit_blocks * facts.tokens_per_block).min(req.prompt_tokens as u64);
+        let tokens = self.tokens_at(&cache.pod);
+        let expected_cached = ((hit_blocks as f64 * tokens.per_block) as u64).min(tokens.prompt);
         let predicted =
             req.mode == Mode::Text || pods.get(&cache.pod).is_some_and(|p| !p.events_seen);
         sc.metrics.decisions.inc(&serving.pod, 1);
@@ -352,12 +362,15 @@ impl<'a> Route<'a> {
                     .as_ref()
                     .map(|p| p.pod.clone())
                     .filter(|p| *p != serving.pod),
-                prefill_tokens: (req.prompt_tokens as u64).saturating_sub(expected_cached),
+                prefill_tokens: tokens.prompt.saturating_sub(expected_cached),
                 blocks: facts.prompt_blocks as u64,
                 prefix: facts.prefix_key,
                 expected_cached,
+                slack_tokens: (tokens.per_block * (1.0 + hit_blocks as f64 * tokens.rel_err)).ceil()
+                    as u64,
                 predicted,
                 chain_blocks: req.chain.len() as u64,
+                text_bytes: tokens.text_bytes,
             },
             self.now,
             self.cfg,
@@ -374,6 +387,32 @@ impl<'a> Route<'a> {
         Committed {
             id: sc.ledger().external_id(id),
             deltas,
+        }
+    }
+
+    /// The prompt in the engine's tokens as the router believes them at `pod`: exact for
+    /// token chains; for text chains, the canonical bytes (the filter counts them at four
+    /// a token) times the tokens per byte learned from the engines' reports.
+    fn tokens_at(&self, pod: &str) -> PromptTokens {
+        let req = self.req;
+        let bs = req.block_size.max(1) as f64;
+        match req.mode {
+            Mode::Tokens => PromptTokens {
+                prompt: req.prompt_tokens as u64,
+                per_block: bs,
+                rel_err: 0.0,
+                text_bytes: None,
+            },
+            Mode::Text => {
+                let e = self.sc.text_tokens.estimate(&req.model, Some(pod));
+                let bytes = req.prompt_tokens as u64 * 4;
+                PromptTokens {
+                    prompt: (bytes as f64 * e.tokens_per_byte).round() as u64,
+                    per_block: bs * e.tokens_per_byte,
+                    rel_err: e.rel_err,
+                    text_bytes: Some(bytes),
+                }
+            }
         }
     }
 
@@ -697,5 +736,105 @@ mod tests {
             1,
             "every reported decision was released"
         );
+    }
+
+    /// An engine that holds every text prompt routed to it, tokenizing at
+    /// `bytes_per_token`: a report's `cached_tokens` is its longest held prefix, in whole
+    /// 16-token blocks, short of the last token (as vLLM recomputes it).
+    struct TextEngine {
+        bytes_per_token: f64,
+        held: std::collections::HashMap<String, Vec<Vec<u64>>>,
+    }
+
+    impl TextEngine {
+        fn serve(&mut self, sc: &Sidecar, chain: &[u64], bytes: u64, evicted: bool) {
+            let req = RouteRequest {
+                model: "m".into(),
+                adapter: String::new(),
+                mode: Mode::Text,
+                block_size: 256,
+                chain: chain.to_vec(),
+                prompt_tokens: bytes.div_ceil(4) as u32,
+                request_id: None,
+                session: None,
+                role: None,
+                dry_run: false,
+                explain: false,
+                prompt_body: None,
+            };
+            let a = route(sc, &req).expect("route");
+            let held = self.held.entry(a.pod.clone()).or_default();
+            if evicted {
+                held.clear();
+            }
+            let hit = held
+                .iter()
+                .map(|h| kvroute_shared::common_prefix_blocks(h, chain))
+                .max()
+                .unwrap_or(0);
+            held.push(chain.to_vec());
+            let prompt = (bytes as f64 / self.bytes_per_token) as u32;
+            let hit_tokens = (hit as f64 * 256.0 / self.bytes_per_token) as u32;
+            let cached = hit_tokens.min(prompt.saturating_sub(1)) / 16 * 16;
+            report(
+                sc,
+                &CompletionReport {
+                    decision: a.decision.clone().unwrap_or_default(),
+                    pod: a.pod,
+                    status: 200,
+                    prompt_tokens: Some(prompt),
+                    cached_tokens: Some(cached),
+                    ..Default::default()
+                },
+            );
+        }
+    }
+
+    /// Text chains are bytes; engines cache tokens. At any bytes-per-token ratio, a
+    /// prompt the engine really holds is not a misprediction (at four bytes a token
+    /// assumed, every fully cached English prompt was one, and each cut the pod's
+    /// predicted capacity by 30%) — and a pod that really evicts is still caught.
+    #[test]
+    fn text_hits_are_judged_in_the_engines_tokens_and_real_evictions_still_count() {
+        for bytes_per_token in [4.7, 3.2, 1.4] {
+            let (sc, _ch) = four_pods();
+            let mut engine = TextEngine {
+                bytes_per_token,
+                held: Default::default(),
+            };
+            // Eight conversations, six turns each, each turn two blocks longer.
+            for turn in 0..6u64 {
+                for conv in 0..8u64 {
+                    let blocks = 20 + 2 * turn;
+                    let chain: Vec<u64> = (0..blocks).map(|b| 1000 * (conv + 1) + b).collect();
+                    engine.serve(&sc, &chain, blocks * 256 + 100, false);
+                }
+            }
+            assert_eq!(
+                sc.metrics.mispredictions.get(),
+                0,
+                "{bytes_per_token} bytes a token: held prompts counted as mispredicted"
+            );
+            let e = sc.text_tokens.estimate("m", None);
+            assert!(
+                e.learned && (e.tokens_per_byte * bytes_per_token - 1.0).abs() < 0.05,
+                "{e:?}"
+            );
+            let pod = "10.0.0.0:8000";
+            let cap = sc.predicted.capacity_of(pod);
+            // The engines lose everything: the next turns are real mispredictions.
+            for conv in 0..8u64 {
+                let chain: Vec<u64> = (0..40).map(|b| 1000 * (conv + 1) + b).collect();
+                engine.serve(&sc, &chain, 40 * 256, true);
+            }
+            assert!(
+                sc.metrics.mispredictions.get() >= 6,
+                "evictions went unseen"
+            );
+            assert!(
+                sc.predicted.capacity_of(pod) < cap,
+                "{bytes_per_token}: capacity {cap:?} did not shrink"
+            );
+        }
     }
 }

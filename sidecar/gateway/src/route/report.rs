@@ -42,29 +42,35 @@ pub fn report_at(sc: &Sidecar, r: &CompletionReport, now: Instant) {
     let Some((d, deltas)) = released else { return };
     sc.metrics.load_released.inc(Release::Report.label(), 1);
     sc.publish(deltas);
-    if let Some(c) = r.cached_tokens {
-        sc.metrics.cached_tokens.inc("reported", c as u64);
-        sc.metrics
-            .cached_tokens
-            .inc("predicted", d.placement.expected_cached);
-        if !d.placement.predicted && &**d.cache_pod() == r.pod.as_str() {
-            let bs = cfg.block_size(&d.placement.model, Mode::Tokens) as u64;
-            let o = Outcome::of(d.placement.expected_cached, c as u64, bs);
-            sc.agreement.record(&d.placement.model, o, now);
-            sc.metrics.agreement(&d.placement.model, o.label());
+    let (p, cache_pod) = (&d.placement, d.cache_pod());
+    let from_cache_pod = **cache_pod == *r.pod;
+    if let (Some(bytes), Some(tokens), true) = (p.text_bytes, r.prompt_tokens, from_cache_pod) {
+        sc.text_tokens
+            .record(&p.model, &r.pod, bytes, tokens as u64);
+    }
+    let Some(c) = r.cached_tokens.map(u64::from) else {
+        return;
+    };
+    sc.metrics.cached_tokens.inc("reported", c);
+    sc.metrics.cached_tokens.inc("predicted", p.expected_cached);
+    if !p.predicted && from_cache_pod {
+        let bs = cfg.block_size(&p.model, Mode::Tokens) as u64;
+        let o = Outcome::of(p.expected_cached, c, bs);
+        sc.agreement.record(&p.model, o, now);
+        sc.metrics.agreement(&p.model, o.label());
+    }
+    if p.predicted && from_cache_pod {
+        // The engine held fewer of the guessed blocks than the router believed, by more
+        // than a block and the estimate's error: the pod evicts sooner than assumed.
+        let mispredicted = c + p.slack_tokens < p.expected_cached;
+        if mispredicted {
+            sc.metrics.mispredictions.inc();
         }
-        if d.placement.predicted && &**d.cache_pod() == r.pod.as_str() {
-            let bs = cfg.block_size(&d.placement.model, Mode::Tokens) as u64;
-            let mispredicted = (c as u64) + bs < d.placement.expected_cached;
-            if mispredicted {
-                sc.metrics.mispredictions.inc();
-            }
-            sc.predicted.feedback(
-                &r.pod,
-                mispredicted,
-                d.placement.chain_blocks,
-                cfg.predicted_capacity_blocks,
-            );
-        }
+        sc.predicted.feedback(
+            &r.pod,
+            mispredicted,
+            p.chain_blocks,
+            cfg.predicted_capacity_blocks,
+        );
     }
 }
