@@ -101,6 +101,147 @@ pub fn workload(o: WorkloadOpts) -> Vec<Session> {
     sessions
 }
 
+/// What a conversation's text is made of. Each kind tokenizes at its own bytes per
+/// token (o200k, the engine simulator's default: prose ~4.5, code ~3, numbers ~2, CJK
+/// ~1.5), which is what a text chain's blocks must be translated by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TextKind {
+    Prose,
+    Code,
+    Numbers,
+    Cjk,
+}
+
+impl TextKind {
+    pub const ALL: [TextKind; 4] = [
+        TextKind::Prose,
+        TextKind::Code,
+        TextKind::Numbers,
+        TextKind::Cjk,
+    ];
+
+    /// About `bytes` bytes of this kind of text.
+    pub fn text(self, rng: &mut Rng, bytes: usize) -> String {
+        const PROSE: &[&str] = &[
+            "the", "of", "and", "to", "a", "in", "is", "it", "you", "that", "he", "was", "for",
+            "on", "are", "with", "as", "I", "his", "they", "be", "at", "one", "have", "this",
+            "from", "or", "had", "by", "not", "but", "what", "some", "we", "can", "out", "other",
+            "were", "all", "there", "when", "up", "use", "your", "how", "said", "an", "each",
+            "she", "which", "do", "their", "time", "if", "will", "way", "about", "many", "then",
+            "them", "would", "write", "like", "so", "these", "her", "long", "make", "thing", "see",
+            "him", "two", "has", "look", "more", "day", "could", "go", "come", "did", "number",
+            "sound", "no", "most", "people", "my", "over", "know", "water", "than", "call",
+            "first",
+        ];
+        let mut s = String::with_capacity(bytes + 64);
+        while s.len() < bytes {
+            match self {
+                TextKind::Prose => {
+                    let n = 6 + rng.below(10);
+                    for i in 0..n {
+                        let w = PROSE[rng.below(PROSE.len())];
+                        if i == 0 {
+                            let mut c = w.chars();
+                            if let Some(f) = c.next() {
+                                s.extend(f.to_uppercase());
+                                s.push_str(c.as_str());
+                            }
+                        } else {
+                            s.push(' ');
+                            s.push_str(w);
+                        }
+                    }
+                    s.push_str(if rng.below(5) == 0 { ", and " } else { ". " });
+                }
+                TextKind::Code => {
+                    let (a, b, c) = (rng.below(1000), rng.below(100), rng.below(10_000));
+                    s.push_str(&format!(
+                        "let v{a} = cache_{b}.get(&k{c})?;\nif v{a}.len() > {b} {{ return Err(E::Full({c})); }}\n"
+                    ));
+                }
+                TextKind::Numbers => {
+                    s.push_str(&format!("{}.{:02}, ", rng.below(1_000_000), rng.below(100)));
+                }
+                TextKind::Cjk => {
+                    for _ in 0..12 {
+                        let c = 0x4E00 + rng.below(0x5000) as u32;
+                        s.push(char::from_u32(c).unwrap_or('中'));
+                    }
+                    s.push('。');
+                }
+            }
+        }
+        s
+    }
+}
+
+/// A multi-turn chat load: `users` conversations of `turns` turns, each opened with one
+/// of `system_prompts` shared system prompts of ~`system_bytes`, each turn ~`turn_bytes`
+/// from the user and as much from the assistant. User `u` writes `kinds[u % len]`.
+/// Every seed gives fresh prefixes (system prompts included).
+#[derive(Clone, Copy, Debug)]
+pub struct ChatLoad {
+    pub users: usize,
+    pub system_prompts: usize,
+    pub turns: usize,
+    pub system_bytes: usize,
+    pub turn_bytes: usize,
+    pub kinds: &'static [TextKind],
+    pub seed: u64,
+}
+
+impl Default for ChatLoad {
+    fn default() -> Self {
+        ChatLoad {
+            users: 24,
+            system_prompts: 4,
+            turns: 6,
+            system_bytes: 4500,
+            turn_bytes: 400,
+            kinds: &[TextKind::Prose],
+            seed: 1,
+        }
+    }
+}
+
+pub fn chat_load(o: ChatLoad) -> Vec<Session> {
+    let mut rng = Rng(o.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let kinds = if o.kinds.is_empty() {
+        &[TextKind::Prose][..]
+    } else {
+        o.kinds
+    };
+    let systems: Vec<String> = (0..o.system_prompts.max(1))
+        .map(|i| {
+            let k = kinds[i % kinds.len()];
+            format!(
+                "You are assistant {i} (run {}). {}",
+                o.seed,
+                k.text(&mut rng, o.system_bytes)
+            )
+        })
+        .collect();
+    (0..o.users)
+        .map(|u| {
+            let kind = kinds[u % kinds.len()];
+            let mut history =
+                vec![json!({"role": "system", "content": systems[u % systems.len()]})];
+            let mut s = Vec::new();
+            for _ in 0..o.turns {
+                history.push(json!({"role": "user", "content": kind.text(&mut rng, o.turn_bytes)}));
+                s.push(Call::Chat(
+                    json!({"model": "m", "messages": history.clone(), "max_tokens": 16,
+                    "stream": true, "stream_options": {"include_usage": true}}),
+                ));
+                history.push(
+                    json!({"role": "assistant", "content": kind.text(&mut rng, o.turn_bytes)}),
+                );
+            }
+            s
+        })
+        .collect()
+}
+
 /// What one request measured.
 #[derive(Clone, Debug, Default)]
 pub struct Outcome {

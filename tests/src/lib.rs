@@ -13,6 +13,7 @@ pub mod radix;
 pub mod services;
 pub mod sim;
 pub mod stack;
+pub mod steady;
 pub mod stub;
 pub mod vllm_pub;
 pub mod workload;

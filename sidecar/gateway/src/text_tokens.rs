@@ -6,9 +6,11 @@
 //! fewer, CJK ~1.5), so no constant is right. Every completion report of a text-mode
 //! decision carries the engine's `prompt_tokens` for a prompt whose canonical length the
 //! router knew: one sample of the ratio. This module keeps, per model and per pod, the
-//! last [`RING`] samples and answers their median (robust to a stray report) and their
-//! median absolute deviation relative to it (the estimate's error, which sets how far an
-//! engine's `cached_tokens` may fall short before the router calls its guess wrong).
+//! last [`RING`] samples and answers their median (robust to a stray report; what load is
+//! counted in) and how far below it the low tenth of them lies, relative to it (the
+//! estimate's error: how far an engine's `cached_tokens` may fall short before the router
+//! calls its guess wrong). A pod that serves prose beside code, numbers or CJK has a wide
+//! spread, and its prose prompts must not read as evictions.
 //!
 //! Until [`MIN_SAMPLES`] reports have arrived, the answer is the 4-bytes-a-token default
 //! with a wide error ([`DEFAULT_REL_ERR`]), so nothing is judged a misprediction on the
@@ -30,6 +32,9 @@ pub const MIN_SAMPLES: usize = 8;
 pub const DEFAULT_TOKENS_PER_BYTE: f64 = 0.25;
 /// The default's error: wide, since real text runs from ~1 to ~7 bytes a token.
 pub const DEFAULT_REL_ERR: f64 = 0.5;
+/// Nor worse than this: a pod whose text spreads wider is still checked for evictions of
+/// more than two thirds of what it was thought to hold.
+const MAX_REL_ERR: f64 = 0.67;
 /// The learned error never claims better than this (rounding of block-aligned caches,
 /// the approximate canonical length).
 const MIN_REL_ERR: f64 = 0.03;
@@ -43,7 +48,7 @@ const MIN_SAMPLE_BYTES: u64 = 256;
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
 pub struct Estimate {
     pub tokens_per_byte: f64,
-    /// Relative error of `tokens_per_byte` (median absolute deviation / median).
+    /// Relative error of `tokens_per_byte`: 1 − (10th percentile / median).
     pub rel_err: f64,
     pub samples: usize,
     /// Learned from reports (else the default).
@@ -89,11 +94,11 @@ impl Ring {
         }
         let mut s: Vec<f64> = self.v[..self.n].iter().map(|&x| x as f64).collect();
         let med = median(&mut s);
-        let mut dev: Vec<f64> = s.iter().map(|x| (x - med).abs()).collect();
-        let mad = median(&mut dev);
+        // `s` is sorted now: its low tenth.
+        let low = s[(s.len() - 1) / 10];
         Some(Estimate {
             tokens_per_byte: med,
-            rel_err: (mad / med.max(1e-9)).clamp(MIN_REL_ERR, DEFAULT_REL_ERR),
+            rel_err: (1.0 - low / med.max(1e-9)).clamp(MIN_REL_ERR, MAX_REL_ERR),
             samples: self.n,
             learned: true,
         })

@@ -100,6 +100,11 @@ enum Cmd {
         /// Policy config JSON (default: the sidecar's defaults).
         #[arg(long)]
         config: Option<PathBuf>,
+        /// Route text chains (predicted mode) whose blocks the pods tokenize at these
+        /// bytes per token, by conversation (e.g. 4.6,3.1,2.2,1.5: prose, code, numbers,
+        /// CJK); each chain block is 256 canonical bytes.
+        #[arg(long, value_delimiter = ',')]
+        text_bytes_per_token: Vec<f64>,
     },
     /// Replay a Mooncake-format trace through the index (and the radix baseline).
     Trace {
@@ -171,6 +176,7 @@ fn main() -> anyhow::Result<()> {
             gateways,
             delta_delay_ms,
             config,
+            text_bytes_per_token,
         } => {
             use kvroute_tests::sim::{self, Policy, SimOpts};
             let policies: Vec<Policy> = match policies {
@@ -234,6 +240,10 @@ fn main() -> anyhow::Result<()> {
                     gateways,
                     delta_delay_s: delta_delay_ms / 1e3,
                     replica_sync: true,
+                    text: (!text_bytes_per_token.is_empty()).then(|| sim::TextChains {
+                        block_bytes: 256,
+                        bytes_per_token: text_bytes_per_token.clone(),
+                    }),
                 };
                 let res = sim::compare(label, reqs, &o, &policies);
                 if let Some(p) = &svg {

@@ -7,6 +7,9 @@
 //!   comparison, write an SVG of the TTFT distributions; the last line is one JSON object.
 //! - `up [--vllm-events]`: start the stack and print what to `curl`, until Ctrl-C; with
 //!   `--vllm-events` the engines publish as vLLM does and a bridge runs beside each.
+//! - `runs`: the steady state — engines' caches filled first, then the same chat load
+//!   run after run with fresh prefixes through kvroute, round-robin Envoy or SGLang's
+//!   `smg` over the same engines; one JSON line per run.
 //! - `render-envoy`: print the shipped Envoy configuration (envoy/envoy.yaml).
 
 use std::io::Write as _;
@@ -39,6 +42,29 @@ enum Cmd {
         #[arg(long, default_value_t = 8)]
         concurrency: usize,
     },
+    /// Consecutive runs of a multi-turn chat load on engines whose caches are full.
+    Runs {
+        /// kvroute | round-robin | smg (SGLang's model gateway, cache_aware)
+        #[arg(long, default_value = "kvroute")]
+        gateway: String,
+        #[arg(long, default_value_t = 4)]
+        runs: usize,
+        #[arg(long, default_value_t = 24)]
+        users: usize,
+        #[arg(long, default_value_t = 6)]
+        turns: usize,
+        /// Engine KV cache size in 16-token blocks.
+        #[arg(long, default_value_t = 1536)]
+        capacity_blocks: u32,
+        #[arg(long, default_value_t = 8)]
+        concurrency: usize,
+        /// Prose, code, numbers and CJK conversations (each its own bytes per token).
+        #[arg(long)]
+        mixed_text: bool,
+        /// Skip filling the engines' caches first.
+        #[arg(long)]
+        cold: bool,
+    },
     /// Start the stack and keep it running.
     Up {
         /// Engines speak vLLM's event protocol (ZMQ), with a `kvroute-bridge`
@@ -70,6 +96,28 @@ fn main() -> anyhow::Result<()> {
                 docs,
                 concurrency,
             } => run_demo(svg, users, docs, concurrency).await,
+            Cmd::Runs {
+                gateway,
+                runs,
+                users,
+                turns,
+                capacity_blocks,
+                concurrency,
+                mixed_text,
+                cold,
+            } => {
+                let load = demo::ChatLoad {
+                    users,
+                    turns,
+                    kinds: if mixed_text {
+                        &demo::TextKind::ALL
+                    } else {
+                        &[demo::TextKind::Prose]
+                    },
+                    ..demo::ChatLoad::default()
+                };
+                steady_runs(&gateway, runs, load, capacity_blocks, concurrency, !cold).await
+            }
             Cmd::Up { vllm_events } => up(vllm_events).await,
             Cmd::RenderEnvoy => Ok(()),
         }
@@ -188,6 +236,66 @@ async fn run_demo(
         "{}",
         json!({"precise": keys(&p), "kvroute": keys(&k), "round_robin": keys(&r)})
     );
+    drop(stack);
+    Ok(())
+}
+
+async fn steady_runs(
+    gateway: &str,
+    n: usize,
+    load: demo::ChatLoad,
+    capacity_blocks: u32,
+    concurrency: usize,
+    warm: bool,
+) -> anyhow::Result<()> {
+    let stack = Stack::start(StackOpts {
+        engine_args: kvroute_tests::stack::engine_args(capacity_blocks, 8000, 20, 0.5),
+        ..StackOpts::default()
+    })
+    .await?;
+    let engines: Vec<_> = stack.engines.iter().map(|e| e.addr).collect();
+    let log = std::env::temp_dir().join(format!("kvroute-smg-{}.log", std::process::id()));
+    let smg = match gateway {
+        "smg" => Some(kvroute_tests::steady::Smg::start(&engines, "cache_aware", &log).await?),
+        "kvroute" | "round-robin" => None,
+        other => anyhow::bail!("unknown gateway {other:?} (kvroute | round-robin | smg)"),
+    };
+    let (base, sidecar) = match (gateway, &smg) {
+        ("kvroute", _) => (stack.envoy.url(""), Some(&stack.api)),
+        (_, Some(s)) => (s.url.clone(), None),
+        _ => (stack.plain.url(""), None),
+    };
+    if warm {
+        eprintln!("== filling the engines' caches ({capacity_blocks} blocks each)");
+        kvroute_tests::steady::fill_caches(&engines, capacity_blocks, 16, 1.5).await?;
+    }
+    eprintln!(
+        "== {n} runs through {gateway}: {} users x {} turns, {} shared system prompts, fresh prefixes every run",
+        load.users, load.turns, load.system_prompts
+    );
+    for (i, r) in kvroute_tests::steady::runs(&base, sidecar, load, n, concurrency)
+        .await
+        .iter()
+        .enumerate()
+    {
+        let s = &r.summary;
+        eprintln!(
+            "   run {}: hit rate {:.3}, TTFT mean {:.1} ms, p50 {:.1} ms{}",
+            i + 1,
+            s.hit_rate,
+            s.ttft_mean_ms,
+            s.ttft_p50_ms,
+            match (r.decisions, r.mispredictions) {
+                (Some(d), Some(m)) => format!(", {m} of {d} decisions mispredicted"),
+                _ => String::new(),
+            }
+        );
+        let mut v = r.json();
+        v["gateway"] = json!(gateway);
+        v["run"] = json!(i + 1);
+        println!("{v}");
+    }
+    drop(smg);
     drop(stack);
     Ok(())
 }

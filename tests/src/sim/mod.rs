@@ -10,7 +10,10 @@
 //! end of prefill. Pods' LRU caches emit stored/removed events that reach every gateway
 //! after `event_delay_s` (a fraction `event_loss` is lost); each pod's load (running,
 //! waiting) reaches them at once, as the bridges' load events would. A request's
-//! completion report goes back to the gateway that routed it. With several gateways,
+//! completion report goes back to the gateway that routed it. With [`TextChains`] the
+//! requests are routed as text chains (predicted residency, as chat without a
+//! tokenizer): each chain block is that many canonical bytes, which the pods tokenize at
+//! the conversation's own bytes per token, and no pod event names a text block. With several gateways,
 //! each one's load deltas reach the others after `delta_delay_s` (or never, with
 //! `replica_sync` off: the herding a router without replica sync shows).
 
@@ -62,6 +65,17 @@ pub struct SimOpts {
     /// Gateways exchange load deltas (off: each knows only its own decisions and the
     /// engines' load reports).
     pub replica_sync: bool,
+    /// Route text chains instead of token chains.
+    pub text: Option<TextChains>,
+}
+
+/// Requests as text chains: a chain block is `block_bytes` canonical bytes, and a
+/// request of session `s` (or index, without one) tokenizes at
+/// `bytes_per_token[s % len]` — prose, code, numbers, CJK each at its own ratio.
+#[derive(Clone, Debug)]
+pub struct TextChains {
+    pub block_bytes: u32,
+    pub bytes_per_token: Vec<f64>,
 }
 
 impl SimOpts {
@@ -79,6 +93,7 @@ impl SimOpts {
             gateways: 1,
             delta_delay_s: 0.02,
             replica_sync: true,
+            text: None,
         }
     }
 }
@@ -97,6 +112,9 @@ pub struct SimResult {
     pub e2e_p99_ms: f64,
     pub throughput_rps: f64,
     pub max_mean_load: f64,
+    /// Decisions and the reports the gateways judged mispredicted (all gateways).
+    pub decisions: u64,
+    pub mispredictions: u64,
 }
 
 impl SimResult {
@@ -105,7 +123,8 @@ impl SimResult {
         json!({"workload": self.workload, "gateways": self.gateways, "policy": self.policy,
                "hit_rate": r(self.hit_rate), "ttft_mean_ms": r(self.ttft_mean_ms),
                "ttft_p50_ms": r(self.ttft_p50_ms), "ttft_p99_ms": r(self.ttft_p99_ms), "e2e_mean_ms": r(self.e2e_mean_ms),
-               "e2e_p99_ms": r(self.e2e_p99_ms), "throughput_rps": r(self.throughput_rps), "max_mean_load": r(self.max_mean_load)})
+               "e2e_p99_ms": r(self.e2e_p99_ms), "throughput_rps": r(self.throughput_rps), "max_mean_load": r(self.max_mean_load),
+               "mispredictions": self.mispredictions})
     }
 }
 
@@ -188,6 +207,30 @@ impl Sim<'_> {
         self.origin + Duration::from_secs_f64(t.max(0.0))
     }
 
+    /// The engine tokens one chain block of request `i` stands for.
+    fn block_tokens_of(&self, i: usize) -> f64 {
+        match &self.o.text {
+            None => self.o.block_tokens as f64,
+            Some(t) => {
+                let k = self.reqs[i].session.unwrap_or(i as u64) as usize;
+                let bpt = t.bytes_per_token[k % t.bytes_per_token.len().max(1)];
+                t.block_bytes as f64 / bpt.max(0.1)
+            }
+        }
+    }
+
+    /// Request `i`'s prompt in engine tokens (a text request's blocks at its ratio).
+    fn input_tokens_of(&self, i: usize) -> u64 {
+        let r = &self.reqs[i];
+        match &self.o.text {
+            None => r.input_tokens as u64,
+            Some(_) => {
+                let blocks = r.input_tokens as f64 / self.o.block_tokens.max(1) as f64;
+                (blocks * self.block_tokens_of(i)) as u64
+            }
+        }
+    }
+
     /// One batch from pod `k` to every gateway, as the event plane delivers it.
     fn publish(&mut self, k: usize, events: Vec<Event>, t: f64) {
         let p = &mut self.pods[k];
@@ -229,13 +272,23 @@ impl Sim<'_> {
         let r = &self.reqs[i];
         let g = i % self.gws.len();
         self.gw_of[i] = g;
+        // A text request's `prompt_tokens` is what the filter sends: its canonical bytes
+        // at four a token.
+        let (mode, block_size, prompt_tokens) = match &self.o.text {
+            None => (Mode::Tokens, self.o.block_tokens, r.input_tokens),
+            Some(t) => {
+                let blocks = r.input_tokens as f64 / self.o.block_tokens.max(1) as f64;
+                let bytes = blocks * t.block_bytes as f64;
+                (Mode::Text, t.block_bytes, (bytes / 4.0).ceil() as u32)
+            }
+        };
         let req = RouteRequest {
             model: MODEL.into(),
             adapter: String::new(),
-            mode: Mode::Tokens,
-            block_size: self.o.block_tokens,
+            mode,
+            block_size,
             chain: r.chain.clone(),
-            prompt_tokens: r.input_tokens,
+            prompt_tokens,
             request_id: None,
             session: r.session.map(|s| s.to_string()),
             role: None,
@@ -270,11 +323,13 @@ impl Sim<'_> {
                 self.pods[k].lane_busy = true;
                 let r = &self.reqs[i];
                 let adm = self.pods[k].cache.admit(&r.chain);
-                let cached =
-                    (adm.hit_blocks as u64 * self.o.block_tokens as u64).min(r.input_tokens as u64);
+                let input = self.input_tokens_of(i);
+                let cached = ((adm.hit_blocks as f64 * self.block_tokens_of(i)) as u64).min(input);
                 self.hit[i] = adm.hit_blocks as u64;
-                let dur = self.o.cost.prefill_s(r.input_tokens as u64 - cached);
-                if !(adm.stored.is_empty() && adm.removed.is_empty())
+                let dur = self.o.cost.prefill_s(input - cached);
+                // Engines publish token chains; none of them names a text block.
+                if self.o.text.is_none()
+                    && !(adm.stored.is_empty() && adm.removed.is_empty())
                     && self.rng.f64() >= self.o.event_loss
                 {
                     self.pending_events.push((k, adm.stored, adm.removed));
@@ -323,7 +378,13 @@ impl Sim<'_> {
                         pod: self.pods[k].id.clone(),
                         model: MODEL.into(),
                         status: 200,
-                        cached_tokens: Some((self.hit[i] * self.o.block_tokens as u64) as u32),
+                        cached_tokens: Some(match self.o.text {
+                            None => (self.hit[i] * self.o.block_tokens as u64) as u32,
+                            Some(_) => ((self.hit[i] as f64 * self.block_tokens_of(i)) as u64)
+                                .min(self.input_tokens_of(i))
+                                as u32,
+                        }),
+                        prompt_tokens: Some(self.input_tokens_of(i) as u32),
                         ..Default::default()
                     };
                     sidecar::report_at(&self.gws[g].sc, &report, self.at(now));
@@ -365,6 +426,9 @@ fn gateway_config(o: &SimOpts) -> PolicyConfig {
     let mut cfg = o.config.clone();
     let mut m = cfg.model(MODEL).clone();
     m.block_size = o.block_tokens;
+    if let Some(t) = &o.text {
+        m.text_block_bytes = t.block_bytes;
+    }
     cfg.models.insert(MODEL.into(), m);
     cfg
 }
@@ -454,6 +518,17 @@ pub fn simulate_labelled(reqs: &[Request], o: &SimOpts, p: Policy, workload: &st
         e2e_p99_ms: e2e.pct(99.0) as f64 / 1e3,
         throughput_rps: n as f64 / span.max(1e-9),
         max_mean_load: loads.iter().copied().fold(0.0, f64::max) / mean.max(1e-9),
+        decisions: s
+            .gws
+            .iter()
+            .flat_map(|g| g.sc.metrics.decisions.snapshot())
+            .map(|(_, n)| n)
+            .sum(),
+        mispredictions: s
+            .gws
+            .iter()
+            .map(|g| g.sc.metrics.mispredictions.get())
+            .sum(),
     }
 }
 
