@@ -133,13 +133,52 @@ impl TextKind {
             "sound", "no", "most", "people", "my", "over", "know", "water", "than", "call",
             "first",
         ];
+        // Longer words, a quarter of the time: English prose runs ~4.5-5 bytes a token.
+        const LONG: &[&str] = &[
+            "because",
+            "between",
+            "important",
+            "different",
+            "information",
+            "development",
+            "government",
+            "company",
+            "system",
+            "program",
+            "question",
+            "during",
+            "without",
+            "however",
+            "another",
+            "example",
+            "problem",
+            "service",
+            "through",
+            "around",
+            "against",
+            "understand",
+            "experience",
+            "community",
+            "research",
+            "education",
+            "performance",
+            "everything",
+            "something",
+            "possible",
+            "together",
+            "national",
+        ];
         let mut s = String::with_capacity(bytes + 64);
         while s.len() < bytes {
             match self {
                 TextKind::Prose => {
                     let n = 6 + rng.below(10);
                     for i in 0..n {
-                        let w = PROSE[rng.below(PROSE.len())];
+                        let w = if rng.below(4) == 0 {
+                            LONG[rng.below(LONG.len())]
+                        } else {
+                            PROSE[rng.below(PROSE.len())]
+                        };
                         if i == 0 {
                             let mut c = w.chars();
                             if let Some(f) = c.next() {

@@ -12,6 +12,14 @@
 //! calls its guess wrong). A pod that serves prose beside code, numbers or CJK has a wide
 //! spread, and its prose prompts must not read as evictions.
 //!
+//! Sharper still is the conversation's own last report: a turn's cached prefix is the
+//! previous turn's prompt, whose ratio that turn's report gave exactly. So each sample is
+//! also kept under the last block of the reported chain, and a decision whose routing
+//! prefix ends at such a block uses it (bounded: [`MAX_PREFIXES`], oldest first out).
+//! Keying by a chain's first block too (a new conversation that opens like an earlier
+//! one) was measured and left out: a shared system prompt followed by other languages
+//! made that sample wrong often enough to double the false mispredictions.
+//!
 //! Until [`MIN_SAMPLES`] reports have arrived, the answer is the 4-bytes-a-token default
 //! with a wide error ([`DEFAULT_REL_ERR`]), so nothing is judged a misprediction on the
 //! default's account. Bounded: one ring of 64 `f32` per model and per pod, at most
@@ -41,6 +49,10 @@ const MIN_REL_ERR: f64 = 0.03;
 /// Samples outside this range are broken reports, not text (0.05: 20 bytes a token;
 /// 2.0: two tokens a byte).
 const PLAUSIBLE: std::ops::RangeInclusive<f64> = 0.05..=2.0;
+/// Conversations whose last ratio is kept (~40 bytes each).
+pub const MAX_PREFIXES: usize = 1 << 16;
+/// The error of a conversation's own last ratio: its new turn may be other text.
+const PREFIX_REL_ERR: f64 = 0.1;
 /// Prompts shorter than this say more about the chat template than about the text.
 const MIN_SAMPLE_BYTES: u64 = 256;
 
@@ -122,6 +134,10 @@ fn median(v: &mut [f64]) -> f64 {
 struct Inner {
     models: HashMap<String, Ring>,
     pods: HashMap<Arc<str>, Ring>,
+    /// The last ratio reported for a chain, by the chain's last block.
+    prefixes: HashMap<u64, f32>,
+    /// Insertion order of `prefixes`, for its bound.
+    order: std::collections::VecDeque<u64>,
 }
 
 /// Per model and per pod: tokens per canonical byte (one mutex, taken alone and briefly).
@@ -132,8 +148,15 @@ pub struct TextTokens {
 
 impl TextTokens {
     /// An engine reported `prompt_tokens` for a text-mode prompt of `prompt_bytes`
-    /// canonical bytes that the router sent to `pod`.
-    pub fn record(&self, model: &str, pod: &str, prompt_bytes: u64, prompt_tokens: u64) {
+    /// canonical bytes, whose chain ends at block `last`, that the router sent to `pod`.
+    pub fn record(
+        &self,
+        model: &str,
+        pod: &str,
+        last: Option<u64>,
+        prompt_bytes: u64,
+        prompt_tokens: u64,
+    ) {
         if prompt_bytes < MIN_SAMPLE_BYTES || prompt_tokens == 0 {
             return;
         }
@@ -142,6 +165,16 @@ impl TextTokens {
             return;
         }
         let mut g = self.inner.lock();
+        if let Some(k) = last {
+            if g.prefixes.insert(k, r as f32).is_none() {
+                g.order.push_back(k);
+                while g.order.len() > MAX_PREFIXES {
+                    if let Some(old) = g.order.pop_front() {
+                        g.prefixes.remove(&old);
+                    }
+                }
+            }
+        }
         if g.models.contains_key(model) || g.models.len() < MAX_MODELS {
             g.models.entry(model.to_owned()).or_default().push(r);
         }
@@ -154,10 +187,19 @@ impl TextTokens {
         }
     }
 
-    /// The pod's own estimate once it has enough samples (engines of one model may run
-    /// other templates), else the model's, else the default.
-    pub fn estimate(&self, model: &str, pod: Option<&str>) -> Estimate {
+    /// The ratio last reported for the chain ending at `prefix` (the conversation's
+    /// previous turn), else the pod's own estimate once it has enough samples (engines of
+    /// one model may run other templates), else the model's, else the default.
+    pub fn estimate(&self, model: &str, pod: Option<&str>, prefix: Option<u64>) -> Estimate {
         let g = self.inner.lock();
+        if let Some(&r) = prefix.and_then(|k| g.prefixes.get(&k)) {
+            return Estimate {
+                tokens_per_byte: r as f64,
+                rel_err: PREFIX_REL_ERR,
+                samples: 1,
+                learned: true,
+            };
+        }
         pod.and_then(|p| g.pods.get(p))
             .and_then(Ring::estimate)
             .or_else(|| g.models.get(model).and_then(Ring::estimate))
@@ -195,11 +237,11 @@ mod tests {
     fn the_default_holds_until_enough_reports_then_the_median_wins() {
         let t = TextTokens::default();
         for _ in 0..MIN_SAMPLES - 1 {
-            t.record("m", "p", 4700, 1000);
+            t.record("m", "p", None, 4700, 1000);
         }
-        assert_eq!(t.estimate("m", Some("p")), Estimate::DEFAULT);
-        t.record("m", "p", 4700, 1000);
-        let e = t.estimate("m", Some("p"));
+        assert_eq!(t.estimate("m", Some("p"), None), Estimate::DEFAULT);
+        t.record("m", "p", None, 4700, 1000);
+        let e = t.estimate("m", Some("p"), None);
         assert!(
             e.learned && (e.tokens_per_byte - 1000.0 / 4700.0).abs() < 1e-6,
             "{e:?}"
@@ -214,13 +256,13 @@ mod tests {
     fn a_stray_report_does_not_move_the_median_and_broken_ones_are_not_samples() {
         let t = TextTokens::default();
         for i in 0..20u64 {
-            t.record("m", "p", 4000 + i, 1000);
+            t.record("m", "p", None, 4000 + i, 1000);
         }
-        let before = t.estimate("m", None);
-        t.record("m", "p", 4000, 3000); // a stray (0.75 tokens a byte)
-        t.record("m", "p", 4000, 1_000_000); // broken: 250 tokens a byte
-        t.record("m", "p", 100, 50); // too short to say anything about the text
-        let after = t.estimate("m", None);
+        let before = t.estimate("m", None, None);
+        t.record("m", "p", None, 4000, 3000); // a stray (0.75 tokens a byte)
+        t.record("m", "p", None, 4000, 1_000_000); // broken: 250 tokens a byte
+        t.record("m", "p", None, 100, 50); // too short to say anything about the text
+        let after = t.estimate("m", None, None);
         assert!((after.tokens_per_byte - before.tokens_per_byte).abs() < 2e-4);
         assert_eq!(after.samples, 21);
     }
@@ -229,12 +271,12 @@ mod tests {
     fn a_pod_with_its_own_samples_uses_them_others_the_models() {
         let t = TextTokens::default();
         for _ in 0..MIN_SAMPLES {
-            t.record("m", "a", 4000, 1000);
-            t.record("m", "b", 4000, 2000);
+            t.record("m", "a", None, 4000, 1000);
+            t.record("m", "b", None, 4000, 2000);
         }
-        assert!((t.estimate("m", Some("a")).tokens_per_byte - 0.25).abs() < 1e-9);
-        assert!((t.estimate("m", Some("b")).tokens_per_byte - 0.5).abs() < 1e-9);
-        let model = t.estimate("m", Some("c")).tokens_per_byte;
+        assert!((t.estimate("m", Some("a"), None).tokens_per_byte - 0.25).abs() < 1e-9);
+        assert!((t.estimate("m", Some("b"), None).tokens_per_byte - 0.5).abs() < 1e-9);
+        let model = t.estimate("m", Some("c"), None).tokens_per_byte;
         assert!((0.25..=0.5).contains(&model));
         t.forget_pod("b");
         assert!(t.of_pod("b").is_none());
@@ -246,9 +288,30 @@ mod tests {
         for i in 0..40u64 {
             // Prose (4.6 bytes a token) and code (3.2) interleaved.
             let tokens = if i % 2 == 0 { 1000 } else { 1437 };
-            t.record("m", "p", 4600, tokens);
+            t.record("m", "p", None, 4600, tokens);
         }
-        let e = t.estimate("m", None);
+        let e = t.estimate("m", None, None);
         assert!(e.rel_err > 0.1, "{e:?}");
+    }
+
+    #[test]
+    fn a_conversations_own_last_ratio_wins_and_the_map_is_bounded() {
+        let t = TextTokens::default();
+        for _ in 0..MIN_SAMPLES {
+            t.record("m", "p", None, 4000, 1000); // the pod: 0.25
+        }
+        t.record("m", "p", Some(42), 3000, 2000); // this conversation: CJK-like
+        let e = t.estimate("m", Some("p"), Some(42));
+        assert!((e.tokens_per_byte - 2.0 / 3.0).abs() < 1e-6 && e.rel_err == PREFIX_REL_ERR);
+        assert!((t.estimate("m", Some("p"), Some(7)).tokens_per_byte - 0.2857).abs() < 0.05);
+        for k in 0..(MAX_PREFIXES as u64 + 10) {
+            t.record("m", "p", Some(1000 + k), 4000, 1000);
+        }
+        let g = t.inner.lock();
+        assert_eq!(
+            (g.prefixes.len(), g.order.len()),
+            (MAX_PREFIXES, MAX_PREFIXES)
+        );
+        assert!(!g.prefixes.contains_key(&42), "the oldest went first");
     }
 }

@@ -295,6 +295,21 @@ async fn steady_runs(
         v["run"] = json!(i + 1);
         println!("{v}");
     }
+    if let Some(api) = sidecar {
+        let s = api.get("/v1/status").await.json;
+        for m in s["models"].as_array().into_iter().flatten() {
+            let t = &m["text_tokens"];
+            if let Some(tpb) = t["tokens_per_byte"].as_f64() {
+                eprintln!(
+                    "   model {}: text at {:.2} bytes a token (error {:.2}, {} samples)",
+                    m["model"].as_str().unwrap_or(""),
+                    1.0 / tpb.max(1e-9),
+                    t["rel_err"].as_f64().unwrap_or(0.0),
+                    t["samples"]
+                );
+            }
+        }
+    }
     drop(smg);
     drop(stack);
     Ok(())

@@ -69,9 +69,10 @@ pub struct SimOpts {
     pub text: Option<TextChains>,
 }
 
-/// Requests as text chains: a chain block is `block_bytes` canonical bytes, and a
-/// request of session `s` (or index, without one) tokenizes at
-/// `bytes_per_token[s % len]` — prose, code, numbers, CJK each at its own ratio.
+/// Requests as text chains: a chain block is `block_bytes` canonical bytes, and the
+/// blocks a conversation (session `s`, or the request's index without one) sends first
+/// tokenize at `bytes_per_token[s % len]` — prose, code, numbers, CJK each at its own
+/// ratio; a block shared with an earlier conversation keeps that one's ratio.
 #[derive(Clone, Debug)]
 pub struct TextChains {
     pub block_bytes: u32,
@@ -186,6 +187,8 @@ struct Sim<'a> {
     origin: Instant,
     pending_events: Vec<(usize, Vec<u64>, Vec<u64>)>,
     pending_deltas: Vec<Option<LoadDelta>>,
+    /// Text chains: the engine tokens each block stands for.
+    text_tokens: Option<HashMap<u64, f64>>,
     rng: Rng,
     // Per request.
     arrive: Vec<f64>,
@@ -207,26 +210,33 @@ impl Sim<'_> {
         self.origin + Duration::from_secs_f64(t.max(0.0))
     }
 
-    /// The engine tokens one chain block of request `i` stands for.
-    fn block_tokens_of(&self, i: usize) -> f64 {
-        match &self.o.text {
-            None => self.o.block_tokens as f64,
-            Some(t) => {
-                let k = self.reqs[i].session.unwrap_or(i as u64) as usize;
-                let bpt = t.bytes_per_token[k % t.bytes_per_token.len().max(1)];
-                t.block_bytes as f64 / bpt.max(0.1)
-            }
+    /// The engine tokens of request `i`'s first `blocks` chain blocks: each text block
+    /// tokenizes at the ratio of the conversation that first sent it, so a shared
+    /// system prompt is the same tokens for everyone (token chains: `block_tokens` each).
+    fn tokens_of(&self, i: usize, blocks: usize) -> f64 {
+        let chain = &self.reqs[i].chain;
+        match &self.text_tokens {
+            None => blocks as f64 * self.o.block_tokens as f64,
+            Some(per) => chain[..blocks.min(chain.len())]
+                .iter()
+                .map(|b| per.get(b).copied().unwrap_or(0.0))
+                .sum(),
         }
     }
 
-    /// Request `i`'s prompt in engine tokens (a text request's blocks at its ratio).
+    /// Request `i`'s prompt in engine tokens (a text request's blocks at their ratios).
     fn input_tokens_of(&self, i: usize) -> u64 {
         let r = &self.reqs[i];
         match &self.o.text {
             None => r.input_tokens as u64,
             Some(_) => {
-                let blocks = r.input_tokens as f64 / self.o.block_tokens.max(1) as f64;
-                (blocks * self.block_tokens_of(i)) as u64
+                // The part beyond the full blocks at the last block's ratio.
+                let full = r.chain.len();
+                let extra = (r.input_tokens as f64 / self.o.block_tokens.max(1) as f64
+                    - full as f64)
+                    .max(0.0);
+                let last = self.tokens_of(i, full) - self.tokens_of(i, full.saturating_sub(1));
+                (self.tokens_of(i, full) + extra * last) as u64
             }
         }
     }
@@ -324,7 +334,7 @@ impl Sim<'_> {
                 let r = &self.reqs[i];
                 let adm = self.pods[k].cache.admit(&r.chain);
                 let input = self.input_tokens_of(i);
-                let cached = ((adm.hit_blocks as f64 * self.block_tokens_of(i)) as u64).min(input);
+                let cached = (self.tokens_of(i, adm.hit_blocks) as u64).min(input);
                 self.hit[i] = adm.hit_blocks as u64;
                 let dur = self.o.cost.prefill_s(input - cached);
                 // Engines publish token chains; none of them names a text block.
@@ -380,7 +390,7 @@ impl Sim<'_> {
                         status: 200,
                         cached_tokens: Some(match self.o.text {
                             None => (self.hit[i] * self.o.block_tokens as u64) as u32,
-                            Some(_) => ((self.hit[i] as f64 * self.block_tokens_of(i)) as u64)
+                            Some(_) => (self.tokens_of(i, self.hit[i] as usize) as u64)
                                 .min(self.input_tokens_of(i))
                                 as u32,
                         }),
@@ -419,6 +429,22 @@ impl Sim<'_> {
             }
         }
     }
+}
+
+/// Each text block's engine tokens: its bytes at the ratio of the conversation (session,
+/// or request) that first sends it, in arrival order.
+fn text_block_tokens(reqs: &[Request], t: &TextChains) -> HashMap<u64, f64> {
+    let mut order: Vec<usize> = (0..reqs.len()).collect();
+    order.sort_by(|&a, &b| reqs[a].ts_ms.total_cmp(&reqs[b].ts_ms));
+    let mut per = HashMap::new();
+    for i in order {
+        let k = reqs[i].session.unwrap_or(i as u64) as usize;
+        let bpt = t.bytes_per_token[k % t.bytes_per_token.len().max(1)].max(0.1);
+        for &b in &reqs[i].chain {
+            per.entry(b).or_insert(t.block_bytes as f64 / bpt);
+        }
+    }
+    per
 }
 
 /// The gateways' policy: `o.config` with the simulated model's block size.
@@ -482,6 +508,7 @@ pub fn simulate_labelled(reqs: &[Request], o: &SimOpts, p: Policy, workload: &st
         origin: kvroute_sidecar::clock_origin() + Duration::from_secs(1),
         pending_events: Vec::new(),
         pending_deltas: Vec::new(),
+        text_tokens: o.text.as_ref().map(|t| text_block_tokens(reqs, t)),
         rng: Rng(o.seed),
         arrive: vec![0.0; n],
         pod_of: vec![0; n],

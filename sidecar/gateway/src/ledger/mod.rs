@@ -73,6 +73,8 @@ pub struct Placement {
     /// A text-mode prompt's canonical length in bytes (its report's `prompt_tokens` is a
     /// sample of the model's tokens per byte).
     pub text_bytes: Option<u64>,
+    /// The chain's last block (keys the conversation's own tokens-per-byte sample).
+    pub last_block: Option<u64>,
 }
 
 /// An outstanding decision of this replica.

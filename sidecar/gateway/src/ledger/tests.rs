@@ -27,6 +27,7 @@ fn decision(pod: &str, prefill_pod: Option<&str>, prefix: Option<u64>) -> Placem
         predicted: false,
         chain_blocks: 10,
         text_bytes: None,
+        last_block: None,
     }
 }
 

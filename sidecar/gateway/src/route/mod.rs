@@ -371,6 +371,7 @@ impl<'a> Route<'a> {
                 predicted,
                 chain_blocks: req.chain.len() as u64,
                 text_bytes: tokens.text_bytes,
+                last_block: req.chain.last().copied(),
             },
             self.now,
             self.cfg,
@@ -404,7 +405,9 @@ impl<'a> Route<'a> {
                 text_bytes: None,
             },
             Mode::Text => {
-                let e = self.sc.text_tokens.estimate(&req.model, Some(pod));
+                // The conversation's own last ratio when its previous turn is the prefix.
+                let prefix = self.facts.prefix_key;
+                let e = self.sc.text_tokens.estimate(&req.model, Some(pod), prefix);
                 let bytes = req.prompt_tokens as u64 * 4;
                 PromptTokens {
                     prompt: (bytes as f64 * e.tokens_per_byte).round() as u64,
@@ -815,7 +818,7 @@ mod tests {
                 0,
                 "{bytes_per_token} bytes a token: held prompts counted as mispredicted"
             );
-            let e = sc.text_tokens.estimate("m", None);
+            let e = sc.text_tokens.estimate("m", None, None);
             assert!(
                 e.learned && (e.tokens_per_byte * bytes_per_token - 1.0).abs() < 0.05,
                 "{e:?}"

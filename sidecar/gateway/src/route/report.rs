@@ -46,7 +46,7 @@ pub fn report_at(sc: &Sidecar, r: &CompletionReport, now: Instant) {
     let from_cache_pod = **cache_pod == *r.pod;
     if let (Some(bytes), Some(tokens), true) = (p.text_bytes, r.prompt_tokens, from_cache_pod) {
         sc.text_tokens
-            .record(&p.model, &r.pod, bytes, tokens as u64);
+            .record(&p.model, &r.pod, p.last_block, bytes, tokens as u64);
     }
     let Some(c) = r.cached_tokens.map(u64::from) else {
         return;
