@@ -752,18 +752,10 @@ mod tests {
     impl TextEngine {
         fn serve(&mut self, sc: &Sidecar, chain: &[u64], bytes: u64, evicted: bool) {
             let req = RouteRequest {
-                model: "m".into(),
-                adapter: String::new(),
                 mode: Mode::Text,
                 block_size: 256,
-                chain: chain.to_vec(),
                 prompt_tokens: bytes.div_ceil(4) as u32,
-                request_id: None,
-                session: None,
-                role: None,
-                dry_run: false,
-                explain: false,
-                prompt_body: None,
+                ..tokens_req(chain.to_vec(), "text")
             };
             let a = route(sc, &req).expect("route");
             let held = self.held.entry(a.pod.clone()).or_default();
