@@ -49,7 +49,7 @@ async fn predicted_mode_keeps_its_hits_run_after_run_at_every_bytes_per_token() 
                 i + 1
             );
             assert!(
-                r.summary.hit_rate >= 0.8,
+                r.summary.hit_rate >= 0.75,
                 "{label}, run {}: hit rate {:.3}",
                 i + 1,
                 r.summary.hit_rate

@@ -109,6 +109,9 @@ pub struct Candidate {
 pub struct Ask {
     /// Blocks of the whole prompt (full and partial).
     pub prompt_blocks: u32,
+    /// Engine tokens one of the request's blocks stands for (turns the pods' pending
+    /// prefill tokens into the request's blocks): the block size for token chains, the
+    /// learned estimate for text chains.
     pub block_size: u32,
     /// Rendezvous key for ties: the first block's hash (or a session/request hash).
     pub tie_key: u64,

@@ -255,9 +255,20 @@ impl<'a> Route<'a> {
         facts: Facts,
         now: Instant,
     ) -> Route<'a> {
+        // The pods' pending prefill is in engine tokens, and a text block is bytes: the
+        // policy compares them in the request's blocks, so a text block counts as the
+        // tokens it stands for (left in bytes, text load weighed a quarter of token load
+        // or less, and a shared system prompt's predicted home drew every conversation).
+        let block_tokens = match req.mode {
+            Mode::Tokens => req.block_size.max(1),
+            Mode::Text => {
+                let e = sc.text_tokens.estimate(&req.model, None, facts.prefix_key);
+                (req.block_size as f64 * e.tokens_per_byte).round().max(1.0) as u32
+            }
+        };
         let ask = Ask {
             prompt_blocks: facts.prompt_blocks,
-            block_size: req.block_size.max(1),
+            block_size: block_tokens,
             tie_key: facts.tie_key,
             seed: facts.tie_key ^ (crate::ledger::clock(now) * 1e9) as u64,
             load_only: false,
@@ -587,7 +598,10 @@ mod tests {
             0,
             "a cold prompt has no prefix"
         );
-        let mut answers = vec![first.clone()];
+        // Done before the others arrive: its pod holds the prefix and no load, so the next
+        // request follows it there (text load counts in the tokens a block stands for).
+        done(&sc, &first);
+        let mut answers = vec![];
         for i in 1..=3 {
             answers.push(route(&sc, &req(i)).expect("route"));
         }
