@@ -55,8 +55,12 @@ async fn predicted_mode_keeps_its_hits_run_after_run_at_every_bytes_per_token() 
                 r.summary.hit_rate
             );
         }
+        // 48 requests under a live, concurrent load move the hit rate by a few points
+        // from run to run on a 2-core machine (0.806 then 0.776 seen with no
+        // mispredictions); the decay this guards against was 0.08 a run and came with
+        // most decisions mispredicted, which the bound above already refuses.
         assert!(
-            runs[1].summary.hit_rate >= runs[0].summary.hit_rate - 0.02,
+            runs[1].summary.hit_rate >= runs[0].summary.hit_rate - 0.05,
             "{label}: the second run lost hits ({:.3} -> {:.3})",
             runs[0].summary.hit_rate,
             runs[1].summary.hit_rate
