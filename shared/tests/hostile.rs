@@ -235,3 +235,39 @@ fn chat_bodies_with_too_many_messages_are_refused_not_materialized() {
     let r = parse(Endpoint::ChatCompletions, flood.as_bytes()).map(|_| ());
     assert!(r.is_err(), "{r:?}");
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(3000))]
+
+    /// Subjects name exactly one model and pod: names that differ only in characters NATS
+    /// gives a meaning to (`a.b`, `a_b`, `a b`, `a*b`) once folded to one token, and a
+    /// bridge allowed one subject could then speak for every model folding to it.
+    #[test]
+    fn subject_tokens_are_injective_and_nats_safe(
+        a in "[a-z0-9._:~% *>/-]{0,8}",
+        b in "[a-z0-9._:~% *>/-]{0,8}",
+    ) {
+        use kvroute_shared::protocol::subject_token;
+        let (ta, tb) = (subject_token(&a), subject_token(&b));
+        prop_assert_eq!(a == b, ta == tb, "{:?} -> {:?}, {:?} -> {:?}", a, ta, b, tb);
+        prop_assert!(!ta.contains(['.', '*', '>', ' ']), "{:?}", ta);
+    }
+}
+
+#[test]
+fn pod_subjects_stay_readable() {
+    use kvroute_shared::protocol::subject_token;
+    assert_eq!(subject_token("10.0.3.7:8000"), "10_0_3_7~8000");
+    assert_eq!(
+        subject_token("meta-llama/Llama-3.1-8B"),
+        "meta-llama%2FLlama-3_1-8B"
+    );
+    for (x, y) in [
+        ("a.b", "a_b"),
+        ("a b", "a_b"),
+        ("a*b", "a>b"),
+        ("a:b", "a~b"),
+    ] {
+        assert_ne!(subject_token(x), subject_token(y), "{x} vs {y}");
+    }
+}

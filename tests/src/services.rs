@@ -102,8 +102,16 @@ pub fn sidecar_bin() -> PathBuf {
 
 impl SidecarProc {
     /// Start with extra `serve` arguments; `--listen` is a free port, and `uds` a socket in
-    /// a temporary directory when asked.
+    /// a temporary directory when asked. The engines here all run on loopback, so the
+    /// sidecar learns local pods from their events (`--learn-local-pods`).
     pub fn start(args: &[&str], uds: bool) -> anyhow::Result<SidecarProc> {
+        let mut all = vec!["--learn-local-pods"];
+        all.extend_from_slice(args);
+        Self::start_strict(&all, uds)
+    }
+
+    /// [`SidecarProc::start`] with the production defaults (no local pods learned).
+    pub fn start_strict(args: &[&str], uds: bool) -> anyhow::Result<SidecarProc> {
         let dir = tempfile::tempdir()?;
         let log = dir.path().join("sidecar.log");
         let sock = uds.then(|| dir.path().join("sidecar.sock"));

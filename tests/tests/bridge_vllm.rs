@@ -329,9 +329,12 @@ async fn unrecovered_gap(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_sidecar_resyncs_from_the_bridges_dump() {
     let nats = kvroute_tests::services::Nats::start().expect("nats");
-    let mut sc = SidecarProc::start(&["--nats", &nats.url()], false).expect("sidecar");
     let (mut engine, port) = Engine::bind().await;
     let bridge = bridge(port, &[format!("--nats={}", nats.url())]);
+    // The bridge's dump port is one the sidecar takes from batches.
+    let dump_port = bridge.listen.rsplit(':').next().unwrap_or("").to_string();
+    let mut sc = SidecarProc::start(&["--nats", &nats.url(), "--dump-port", &dump_port], false)
+        .expect("sidecar");
     let tokens: Vec<u32> = (0..4 * BS).map(|i| 500 + i).collect();
     let chain = token_chain(M, BS, &tokens);
     let block = |i: usize, parent: Option<u64>| block_batch(&tokens, i, parent);

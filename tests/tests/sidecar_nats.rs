@@ -414,7 +414,7 @@ authorization {
       permissions: { publish: ["kvroute.load.*.gw-b"],
                      subscribe: ["kvroute.events.>", "kvroute.load.>", "_INBOX.>"] } }
     { user: bridge-a, password: bridge-a-pass,
-      permissions: { publish: ["kvroute.events.m.127_0_0_1_8001"], subscribe: [] } }
+      permissions: { publish: ["kvroute.events.m.127_0_0_1~8001"], subscribe: [] } }
   ]
 }
 "#;
@@ -515,7 +515,7 @@ authorization {
     let _ = bridge_a.flush().await;
     // Another pod on its own subject: NATS lets it through, the sidecar refuses it.
     let _ = bridge_a
-        .publish("kvroute.events.m.127_0_0_1_8001", forged.encode().into())
+        .publish("kvroute.events.m.127_0_0_1~8001", forged.encode().into())
         .await;
     let _ = bridge_a.flush().await;
     until_metric(

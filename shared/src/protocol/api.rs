@@ -37,6 +37,42 @@ pub struct PodRegistration {
     pub dump_url: Option<String>,
 }
 
+impl PodRegistration {
+    /// Every string bounded ([`super::MAX_NAME_BYTES`], [`super::MAX_URL_BYTES`],
+    /// [`super::MAX_REGISTRATION_ITEMS`]); the model named.
+    pub fn validate(&self) -> Result<(), String> {
+        use super::{MAX_NAME_BYTES, MAX_REGISTRATION_ITEMS};
+        if self.model.is_empty() {
+            return Err("model must not be empty".into());
+        }
+        let long = |s: &String| s.len() > MAX_NAME_BYTES;
+        if long(&self.model)
+            || self.adapters.iter().any(long)
+            || self.labels.iter().any(|(k, v)| long(k) || long(v))
+        {
+            return Err(format!(
+                "model, adapters and labels must be at most {MAX_NAME_BYTES} bytes each"
+            ));
+        }
+        if self.adapters.len() > MAX_REGISTRATION_ITEMS
+            || self.labels.len() > MAX_REGISTRATION_ITEMS
+        {
+            return Err(format!(
+                "at most {MAX_REGISTRATION_ITEMS} adapters and {MAX_REGISTRATION_ITEMS} labels"
+            ));
+        }
+        if let Some(u) = &self.dump_url {
+            if !super::http_url(u) {
+                return Err(format!(
+                    "dump_url must be an http(s) URL of at most {} bytes",
+                    super::MAX_URL_BYTES
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// `POST /v1/route`: the filter's question.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RouteRequest {

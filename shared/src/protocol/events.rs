@@ -163,11 +163,19 @@ impl EventBatch {
             if value.is_empty() {
                 return Err(EventError::Field(name));
             }
+            if value.len() > super::MAX_NAME_BYTES {
+                return Err(EventError::Value(format!(
+                    "{name} of {} bytes is longer than {}",
+                    value.len(),
+                    super::MAX_NAME_BYTES
+                )));
+            }
         }
         if let Some(u) = &self.dump_url {
-            if !(u.starts_with("http://") || u.starts_with("https://")) || u.len() > 2048 {
+            if !super::http_url(u) {
                 return Err(EventError::Value(format!(
-                    "dump_url {u:?} is not an http(s) URL of at most 2048 bytes"
+                    "dump_url is not an http(s) URL of at most {} bytes",
+                    super::MAX_URL_BYTES
                 )));
             }
         }
@@ -226,14 +234,25 @@ impl EventBatch {
     }
 }
 
-/// One NATS subject token for `s`: the characters NATS gives a meaning to (`.`, `*`,
-/// `>`, whitespace) and `:` become `_`.
+/// One NATS subject token for `s`, injective so that a subject names exactly one model
+/// or pod (NATS permissions granted on a subject then grant exactly one): letters,
+/// digits and `-` stay; `.` becomes `_` and `:` becomes `~` (so the pod `10.0.3.7:8000`
+/// reads `10_0_3_7~8000`); every other byte of its UTF-8 — `_`, `~` and `%` themselves
+/// included — becomes `%XX`.
 pub fn subject_token(s: &str) -> String {
-    s.chars()
-        .map(|c| match c {
-            '.' | ':' | '*' | '>' => '_',
-            c if c.is_whitespace() => '_',
-            c => c,
-        })
-        .collect()
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' => out.push(b as char),
+            b'.' => out.push('_'),
+            b':' => out.push('~'),
+            b => {
+                const HEX: &[u8; 16] = b"0123456789ABCDEF";
+                out.push('%');
+                out.push(HEX[(b >> 4) as usize] as char);
+                out.push(HEX[(b & 15) as usize] as char);
+            }
+        }
+    }
+    out
 }

@@ -25,6 +25,20 @@ pub use events::*;
 pub use replicas::*;
 pub use route_codec::*;
 
+/// The longest model name, epoch, adapter, label key or value a batch or registration
+/// may carry, in bytes: every string the sidecar keeps per pod is bounded, so the
+/// registry's memory is (docs/security.md).
+pub const MAX_NAME_BYTES: usize = 256;
+/// The longest dump URL.
+pub const MAX_URL_BYTES: usize = 2048;
+/// Adapters and labels one registration may list.
+pub const MAX_REGISTRATION_ITEMS: usize = 64;
+
+/// An http(s) URL of at most [`MAX_URL_BYTES`] (the only dump URLs taken).
+pub fn http_url(u: &str) -> bool {
+    (u.starts_with("http://") || u.starts_with("https://")) && u.len() <= MAX_URL_BYTES
+}
+
 /// The block-size rules the filter's and the sidecar's configs share: a token block of
 /// 1..=2^20 tokens, a text block of 16..=2^20 bytes.
 pub fn check_block_sizes(

@@ -24,6 +24,7 @@ pub(crate) struct Counters {
     pub(crate) load_polls: Counter,
     pub(crate) load_poll_failures: Counter,
     pub(crate) queue_drops: Counter,
+    pub(crate) dumps_refused: Counter,
     /// Translator statistics, brought up to its totals when scraped.
     pub(crate) translated: [Counter; 6],
     pub(crate) skipped: Family<Vec<(&'static str, String)>, Counter>,
@@ -46,6 +47,7 @@ impl Default for Counters {
             load_polls: Counter::default(),
             load_poll_failures: Counter::default(),
             queue_drops: Counter::default(),
+            dumps_refused: Counter::default(),
             translated: Default::default(),
             skipped: Family::default(),
             known_blocks: Gauge::default(),
@@ -67,6 +69,11 @@ impl Default for Counters {
                 "send_failures",
                 "Batches a destination refused or did not get.",
                 &c.send_failures,
+            ),
+            (
+                "dumps_refused",
+                "GET /dump requests without the dump token (or from off the host when none is set).",
+                &c.dumps_refused,
             ),
             (
                 "replayed",

@@ -19,8 +19,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::State;
-use axum::response::IntoResponse;
+use axum::extract::{ConnectInfo, State};
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use bytes::Bytes;
@@ -84,6 +84,11 @@ pub struct BridgeArgs {
     /// the --listen port; empty: do not advertise.
     #[arg(long, env = "KVROUTE_BRIDGE_DUMP_URL")]
     pub dump_url: Option<String>,
+    /// Bearer token `GET /dump` requires (the sidecars' `--dump-token`). Without one,
+    /// `/dump` answers loopback clients only: the dump lists every cached block's chain
+    /// hash, which tells whoever can ask whether a prompt was seen.
+    #[arg(long, env = "KVROUTE_BRIDGE_DUMP_TOKEN", hide_env_values = true)]
+    pub dump_token: Option<String>,
     /// The engine's Prometheus metrics, polled for its own load (requests running and
     /// waiting, KV usage), published as `load` events. Default `http://<pod>/metrics`;
     /// empty: do not poll.
@@ -138,6 +143,7 @@ impl BridgeArgs {
 struct Bridge {
     tr: Mutex<Translator>,
     n: Counters,
+    dump_token: Option<String>,
 }
 
 pub async fn run(
@@ -156,7 +162,11 @@ pub async fn run(
                 .with_dump_url(a.advertised_dump_url()),
         ),
         n: Counters::default(),
+        dump_token: a.dump_token.clone().filter(|t| !t.is_empty()),
     });
+    if br.dump_token.is_none() && !a.listen.ip().is_loopback() {
+        tracing::warn!("no --dump-token: GET /dump answers loopback clients only");
+    }
     let sink = EventSink::connect(
         a.nats.as_deref(),
         &a.nats_auth,
@@ -185,11 +195,14 @@ pub async fn run(
     );
     let mut http_stop = stop.clone();
     let server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                http_stop.wait().await;
-            })
-            .await
+        axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .with_graceful_shutdown(async move {
+            http_stop.wait().await;
+        })
+        .await
     });
     shutdown.await;
     tracing::info!("bridge: shutting down");
@@ -411,8 +424,27 @@ async fn publish(
     }
 }
 
-async fn dump(State(br): State<Arc<Bridge>>) -> impl IntoResponse {
-    Json(br.tr.lock().dump())
+async fn dump(
+    State(br): State<Arc<Bridge>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: axum::http::HeaderMap,
+) -> Response {
+    let allowed = match &br.dump_token {
+        Some(t) => kvroute_service::bearer_matches(
+            headers.get("authorization").and_then(|v| v.to_str().ok()),
+            t,
+        ),
+        None => peer.ip().is_loopback(),
+    };
+    if !allowed {
+        br.n.dumps_refused.inc();
+        return (
+            axum::http::StatusCode::UNAUTHORIZED,
+            "GET /dump needs Authorization: Bearer <dump token>\n",
+        )
+            .into_response();
+    }
+    Json(br.tr.lock().dump()).into_response()
 }
 
 async fn metrics(State(br): State<Arc<Bridge>>) -> impl IntoResponse {

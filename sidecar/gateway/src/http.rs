@@ -5,6 +5,12 @@
 //! admin token is configured, every request that changes state needs it as a bearer
 //! token; the Unix socket is authorized by its file permissions instead (the filter
 //! cannot be given a secret more safely than a socket only Envoy can open).
+//!
+//! The TCP listener is also reachable from operators' browsers, so it refuses what only a
+//! web page would send ([`BrowserGuard`]): a foreign `Origin`, a `Host` that is neither an
+//! IP literal, `localhost` nor a configured name (DNS rebinding), and state-changing
+//! requests without a JSON (or the filter's binary) content type — the types a page can
+//! send without a CORS preflight, which this API never answers.
 
 use std::sync::Arc;
 
@@ -29,6 +35,111 @@ pub struct Api {
     pub recovery: Arc<Recovery>,
     /// Required bearer token for state-changing requests (TCP listener only).
     pub admin_token: Option<Arc<str>>,
+    /// The browser checks (TCP listener only; see [`BrowserGuard`]).
+    pub browser: Option<BrowserGuard>,
+}
+
+/// What the TCP listener accepts from a client that may be a web page.
+#[derive(Clone, Debug, Default)]
+pub struct BrowserGuard {
+    /// Host names accepted besides IP literals and `localhost` (lowercase, no port).
+    hosts: Arc<[String]>,
+}
+
+/// Why the guard refused a request (stable labels: metric and answer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    ForeignHost,
+    ForeignOrigin,
+    ContentType,
+}
+
+impl Refusal {
+    pub fn reason(self) -> &'static str {
+        match self {
+            Refusal::ForeignHost => "foreign_host",
+            Refusal::ForeignOrigin => "foreign_origin",
+            Refusal::ContentType => "content_type",
+        }
+    }
+}
+
+impl BrowserGuard {
+    pub fn new(hosts: &[String]) -> BrowserGuard {
+        let hosts: Vec<String> = hosts
+            .iter()
+            .map(|h| h.trim().to_ascii_lowercase())
+            .filter(|h| !h.is_empty())
+            .collect();
+        BrowserGuard {
+            hosts: hosts.into(),
+        }
+    }
+
+    /// A host (without its port) this listener answers to: an IP literal cannot be
+    /// rebound by DNS, `localhost` resolves locally, and names are the operator's.
+    fn host_ok(&self, host: &str) -> bool {
+        let bare = host.trim_start_matches('[').trim_end_matches(']');
+        bare.parse::<std::net::IpAddr>().is_ok()
+            || host.eq_ignore_ascii_case("localhost")
+            || self.hosts.iter().any(|h| h.eq_ignore_ascii_case(host))
+    }
+
+    pub fn check(&self, method: &Method, h: &HeaderMap) -> Result<(), Refusal> {
+        let host = h.get("host").and_then(|v| v.to_str().ok());
+        if let Some(host) = host {
+            if !self.host_ok(strip_port(host)) {
+                return Err(Refusal::ForeignHost);
+            }
+        }
+        // Browsers send Origin on every cross-origin request and on same-origin POSTs;
+        // the status page is served from this listener, so its Origin names this Host.
+        if let Some(origin) = h.get("origin") {
+            let same = origin
+                .to_str()
+                .ok()
+                .and_then(|o| {
+                    o.strip_prefix("http://")
+                        .or_else(|| o.strip_prefix("https://"))
+                })
+                .zip(host)
+                .is_some_and(|(o, host)| o.eq_ignore_ascii_case(host));
+            if !same {
+                return Err(Refusal::ForeignOrigin);
+            }
+        }
+        if matches!(*method, Method::POST | Method::PUT) {
+            let ct = h
+                .get("content-type")
+                .and_then(|v| v.to_str().ok())
+                .map(|v| {
+                    v.split(';')
+                        .next()
+                        .unwrap_or("")
+                        .trim()
+                        .to_ascii_lowercase()
+                });
+            let ok = ct.as_deref().is_some_and(|ct| {
+                ct == "application/json"
+                    || ct == kvroute_shared::protocol::ROUTE_BINARY_CONTENT_TYPE
+            });
+            if !ok {
+                return Err(Refusal::ContentType);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `host[:port]` or `[v6][:port]` without the port.
+fn strip_port(host: &str) -> &str {
+    if let Some(rest) = host.strip_prefix('[') {
+        return rest.split_once(']').map_or(host, |(ip, _)| ip);
+    }
+    match host.rsplit_once(':') {
+        Some((h, p)) if p.bytes().all(|b| b.is_ascii_digit()) => h,
+        _ => host,
+    }
 }
 
 /// Event batches and dumps can be large; route requests carry at most ~1M hashes.
@@ -64,14 +175,32 @@ async fn auth(
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
+    if let Some(guard) = &api.browser {
+        if let Err(r) = guard.check(req.method(), req.headers()) {
+            api.sc.metrics.api_refused.inc(r.reason(), 1);
+            let (status, msg) = match r {
+                Refusal::ContentType => (
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    "state-changing requests must be Content-Type: application/json",
+                ),
+                _ => (
+                    StatusCode::FORBIDDEN,
+                    "requests from another origin or host name are refused (see --allowed-host)",
+                ),
+            };
+            return err(status, r.reason(), msg);
+        }
+    }
     if let Some(token) = &api.admin_token {
         let changes_state = matches!(*req.method(), Method::POST | Method::PUT | Method::DELETE);
         // A lookup tells whether a prompt is cached: what users asked, so it is guarded
         // like the admin API whichever the method.
         let path = req.uri().path();
+        // Registrations name dump URLs and pods' addresses: an operator's business too.
         let reveals_prompts = matches!(path, "/v1/lookup" | "/v1/status" | "/v1/decisions")
-            || path.ends_with("/blocks");
+            || path.starts_with("/v1/pods");
         if (changes_state || reveals_prompts) && !bearer_ok(req.headers(), token) {
+            api.sc.metrics.api_refused.inc("unauthorized", 1);
             return err(
                 StatusCode::UNAUTHORIZED,
                 "unauthorized",
@@ -83,19 +212,8 @@ async fn auth(
 }
 
 fn bearer_ok(h: &HeaderMap, token: &str) -> bool {
-    let Some(v) = h.get("authorization").and_then(|v| v.to_str().ok()) else {
-        return false;
-    };
-    let Some(given) = v.strip_prefix("Bearer ") else {
-        return false;
-    };
-    // Constant-time comparison: the token is a secret.
-    given.len() == token.len()
-        && given
-            .bytes()
-            .zip(token.bytes())
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0
+    let v = h.get("authorization").and_then(|v| v.to_str().ok());
+    kvroute_service::bearer_matches(v, token)
 }
 
 fn err(status: StatusCode, reason: &str, msg: impl std::fmt::Display) -> Response {

@@ -43,7 +43,7 @@ mod ui;
 
 pub use ingest::{fetch_dumps, ingest, ingest_at, IngestError, Ingested, Recovery, ResyncJob};
 pub use ledger::{clock_origin, Ledger};
-pub use registry::{Pod, Registry};
+pub use registry::{Pod, Registry, Rules};
 pub use route::{
     precise::precise, report, report_at, route, route_with, PolicySelector, RouteError, Selector,
 };

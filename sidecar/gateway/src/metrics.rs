@@ -120,6 +120,9 @@ pub struct Metrics {
     /// Route requests carrying a prompt body: "tokens" when the sidecar tokenized it,
     /// else why not (routed by the text chain).
     pub precise: Labeled,
+    /// API requests refused before any handler ran, by reason ("unauthorized",
+    /// "foreign_origin", "foreign_host", "content_type").
+    pub api_refused: Labeled,
     /// Reports judged against the index, by model and outcome (`agreement`).
     cache_agreement: Family<Label, Counter>,
 }
@@ -166,6 +169,7 @@ impl Default for Metrics {
             config_rejected: Counter::default(),
             cache_agreement: Family::default(),
             precise: Labeled::new("outcome"),
+            api_refused: Labeled::new("reason"),
             state: StateGauges {
                 pods: Family::default(),
                 index_entries: Family::default(),
@@ -227,6 +231,11 @@ impl Default for Metrics {
                 "kvroute_precise_prompts",
                 "Route requests with a prompt body: tokenized by the sidecar (tokens), or why they were routed by their text chain.",
                 &m.precise,
+            ),
+            (
+                "kvroute_api_refused",
+                "API requests refused before reaching a handler (token, origin, host, content type).",
+                &m.api_refused,
             ),
             (
                 "kvroute_replica_deltas",

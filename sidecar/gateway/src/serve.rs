@@ -44,8 +44,36 @@ pub struct ServeArgs {
     #[arg(long, env = "KVROUTE_REPLICA_ID")]
     pub replica_id: Option<String>,
     /// When set, state-changing requests on the TCP listener need `Authorization: Bearer`.
-    #[arg(long, env = "KVROUTE_ADMIN_TOKEN")]
+    #[arg(long, env = "KVROUTE_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Host names the TCP listener answers to besides IP literals and `localhost`
+    /// (requests naming another host, as a DNS-rebinding page would, are refused).
+    /// Repeatable (env: comma-separated).
+    #[arg(
+        long = "allowed-host",
+        env = "KVROUTE_ALLOWED_HOSTS",
+        value_delimiter = ',',
+        value_name = "NAME"
+    )]
+    pub allowed_hosts: Vec<String>,
+    /// Learn pods on loopback, unspecified, link-local or multicast addresses from their
+    /// events (single-host setups). Off: only a registration brings such a pod in, since
+    /// its dump fetch would reach this host's own ports.
+    #[arg(long, env = "KVROUTE_LEARN_LOCAL_PODS")]
+    pub learn_local_pods: bool,
+    /// Ports on a pod's own address where a batch may say the pod's dump is served,
+    /// besides the pod's own port (a registration may name any URL). Repeatable (env:
+    /// comma-separated).
+    #[arg(
+        long = "dump-port",
+        env = "KVROUTE_DUMP_PORTS",
+        value_delimiter = ',',
+        default_value = "9400"
+    )]
+    pub dump_ports: Vec<u16>,
+    /// Bearer token presented when fetching a pod's dump (the bridges' `--dump-token`).
+    #[arg(long, env = "KVROUTE_DUMP_TOKEN", hide_env_values = true)]
+    pub dump_token: Option<String>,
     /// Static pods: a JSON object `{"ip:port": {"model": ...}, ...}`.
     #[arg(long, env = "KVROUTE_PODS")]
     pub pods: Option<PathBuf>,
@@ -151,6 +179,7 @@ pub async fn run(
         sc.clone(),
         recovery.clone(),
         resyncs,
+        a.dump_token.clone().filter(|t| !t.is_empty()),
         stop.clone(),
     ));
     if let Some(url) = &a.nats {
@@ -171,6 +200,7 @@ pub async fn run(
         sc: sc.clone(),
         recovery,
         admin_token: a.admin_token.as_deref().map(Arc::from),
+        browser: Some(http::BrowserGuard::new(&a.allowed_hosts)),
     };
     let servers = listeners(&a, api, &guard).await?;
 
@@ -201,6 +231,10 @@ fn state(a: &ServeArgs) -> anyhow::Result<(Arc<Sidecar>, crate::state::Channels)
     let (sc, ch) = Sidecar::with_replica(cfg, a.replica_id.clone())
         .map_err(|errs| anyhow::anyhow!("invalid config:\n  {}", errs.join("\n  ")))?;
     sc.set_tokenizers(tokenizers);
+    sc.registry().set_rules(crate::registry::Rules {
+        learn_local_pods: a.learn_local_pods,
+        dump_ports: a.dump_ports.clone(),
+    });
     if let Some(p) = &a.pods {
         let pods: BTreeMap<String, PodRegistration> = read_json(p, "pods file")?;
         for (id, reg) in pods {
@@ -228,6 +262,7 @@ async fn listeners(a: &ServeArgs, api: Api, guard: &DropGuard) -> anyhow::Result
     // socket is authorized by its file permissions.
     let local = Api {
         admin_token: None,
+        browser: None,
         ..api.clone()
     };
     spawn_server(&mut servers, listener, http::router(api), guard.subscribe());
@@ -247,19 +282,49 @@ async fn listeners(a: &ServeArgs, api: Api, guard: &DropGuard) -> anyhow::Result
     Ok(servers)
 }
 
-/// The filter's Unix socket, with `mode` (octal, never world-writable).
+/// The filter's Unix socket, with `mode` (octal, never world-writable), in a directory
+/// only this user can write: anyone who can write the directory can replace the socket
+/// with their own and receive the filter's route calls.
 fn bind_uds(path: &std::path::Path, mode: &str) -> anyhow::Result<tokio::net::UnixListener> {
-    let _ = std::fs::remove_file(path);
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).ok();
-    }
-    let uds = tokio::net::UnixListener::bind(path)
-        .with_context(|| format!("binding {}", path.display()))?;
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
     let mode = u32::from_str_radix(mode, 8).context("--uds-mode must be octal")?;
     if mode & 0o002 != 0 {
         anyhow::bail!("--uds-mode {:o} is world-writable; refusing", mode);
     }
-    use std::os::unix::fs::PermissionsExt;
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    if !dir.exists() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o750)
+            .create(dir)
+            .with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let _ = std::fs::remove_file(path);
+    let uds = tokio::net::UnixListener::bind(path)
+        .with_context(|| format!("binding {}", path.display()))?;
+    // The socket just made is ours: its owner is this process's user.
+    let me = std::fs::metadata(path)?.uid();
+    let d = std::fs::metadata(dir)?;
+    let refusal = if d.uid() != me {
+        Some(format!("is owned by uid {}, not this user ({me})", d.uid()))
+    } else if d.mode() & 0o022 != 0 {
+        Some(format!(
+            "is group- or world-writable (mode {:o})",
+            d.mode() & 0o7777
+        ))
+    } else {
+        None
+    };
+    if let Some(why) = refusal {
+        let _ = std::fs::remove_file(path);
+        anyhow::bail!(
+            "--uds directory {} {why}: another user could replace the socket; use a private directory",
+            dir.display()
+        );
+    }
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
     eprintln!(
         "kvroute-sidecar: unix socket {} (mode {:o})",

@@ -58,6 +58,11 @@ async fn resync_via(path: &str) -> (u64, u64, bool) {
     const POD: &str = "127.0.0.1:8000";
     let srv = server(POD).await;
     let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+    // The dump server runs on loopback, as does the pod it stands for.
+    sc.registry().set_rules(kvroute_sidecar::Rules {
+        learn_local_pods: true,
+        dump_ports: vec![srv.port()],
+    });
     let (locks, resyncs) = Recovery::new();
     let locks = Arc::new(locks);
     let (stop_tx, stop) = kvroute_service::Shutdown::new();
@@ -65,6 +70,7 @@ async fn resync_via(path: &str) -> (u64, u64, bool) {
         sc.clone(),
         locks.clone(),
         resyncs,
+        None,
         stop,
     ));
     let url = Some(format!("http://127.0.0.1:{}{path}", srv.port()));

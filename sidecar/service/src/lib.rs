@@ -2,12 +2,17 @@
 //! sidecar (`kvroute-sidecar`) and the engine-side bridge (`kvroute-bridge`) — have in
 //! common, so that neither depends on the other:
 //!
+//! - [`bearer_matches`]: the one bearer-token check (the sidecar's admin token, the
+//!   bridge's dump token);
 //! - [`nats_auth`]: the NATS credentials and TLS flags every kvroute NATS client takes;
 //! - [`Shutdown`] and [`DropGuard`]: how a service tells its background tasks to stop
 //!   (passed into each task, so every task can be awaited after the signal);
 //! - [`wait_for_signal`] and [`service_runtime`]: how both binaries start and stop.
 
+mod bearer;
 pub mod nats_auth;
+
+pub use bearer::bearer_matches;
 
 pub use nats_auth::NatsAuth;
 

@@ -81,7 +81,8 @@ fn steps(
 ) -> Result<Ingested, IngestError> {
     let cfg = sc.config();
     // Admission, before anything is allocated for this pod or model.
-    sc.registry().admit(&b.pod, cfg.require_registration)?;
+    sc.registry()
+        .admit(&b.pod, &b.model, cfg.require_registration)?;
     let index = sc
         .index(&b.model)
         .ok_or_else(|| IngestError::TooManyModels(b.model.clone()))?;

@@ -250,8 +250,16 @@ async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Result<Vec<u8>,
     Ok(body)
 }
 
-async fn fetch(client: &reqwest::Client, url: &str) -> Result<EventBatch, String> {
-    let resp = client.get(url).send().await.map_err(|e| e.to_string())?;
+async fn fetch(
+    client: &reqwest::Client,
+    url: &str,
+    token: Option<&str>,
+) -> Result<EventBatch, String> {
+    let mut req = client.get(url);
+    if let Some(t) = token {
+        req = req.bearer_auth(t);
+    }
+    let resp = req.send().await.map_err(|e| e.to_string())?;
     if !resp.status().is_success() {
         return Err(format!("status {}", resp.status()));
     }
@@ -260,11 +268,13 @@ async fn fetch(client: &reqwest::Client, url: &str) -> Result<EventBatch, String
 }
 
 /// Fetch dumps for pods that fell behind, one at a time, until shutdown: apply each
-/// (off the async workers), or drop the pod's blocks when the fetch fails.
+/// (off the async workers), or drop the pod's blocks when the fetch fails. `token` is
+/// presented as a bearer token (the bridges' `--dump-token`).
 pub async fn fetch_dumps(
     sc: Arc<Sidecar>,
     rec: Arc<Recovery>,
     mut jobs: mpsc::Receiver<ResyncJob>,
+    token: Option<String>,
     mut shutdown: Shutdown,
 ) {
     // No redirects: the URL was checked, where it would send us was not.
@@ -278,7 +288,7 @@ pub async fn fetch_dumps(
             _ = shutdown.wait() => break,
             j = jobs.recv() => match j { Some(j) => j, None => break },
         };
-        let fetched = fetch(&client, &job.url).await;
+        let fetched = fetch(&client, &job.url, token.as_deref()).await;
         let (sc2, rec2, pod, model) = (sc.clone(), rec.clone(), job.pod.clone(), job.model.clone());
         let outcome = tokio::task::spawn_blocking(move || match fetched {
             Ok(dump) if dump.pod == *pod && dump.model == model => {

@@ -1,11 +1,18 @@
 //! Hostile batches: each is refused with its label and leaves nothing behind.
 use super::*;
 use crate::ingest::recovery::apply_dump;
-use crate::registry::{dump_url_on_pod, MAX_MODELS, MAX_PODS};
+use crate::registry::{dump_url_on_pod, Rules, MAX_MODELS, MAX_PODS};
 use kvroute_shared::protocol::{Event, PolicyConfig};
 
 fn batch(pod: &str, model: &str, epoch: &str, seq: u64, events: Vec<Event>) -> EventBatch {
     EventBatch::new(pod, model, epoch, seq, events)
+}
+
+fn reg(model: &str) -> kvroute_shared::protocol::PodRegistration {
+    kvroute_shared::protocol::PodRegistration {
+        model: model.into(),
+        ..Default::default()
+    }
 }
 
 fn stored(blocks: &[u64]) -> Event {
@@ -92,14 +99,21 @@ fn forged_models_and_pods_are_capped() {
 
 #[test]
 fn a_batch_can_only_name_a_dump_on_its_own_pod() {
+    let ports = [9400];
     assert!(dump_url_on_pod(
         "http://10.0.0.7:9400/dump",
-        "10.0.0.7:8000"
+        "10.0.0.7:8000",
+        &ports
     ));
     assert!(dump_url_on_pod(
         "https://[fd00::7]:9400/d",
-        "[fd00::7]:8000"
+        "[fd00::7]:8000",
+        &ports
     ));
+    assert!(
+        dump_url_on_pod("http://10.0.0.7:8000/kvroute/dump", "10.0.0.7:8000", &ports),
+        "the pod's own port"
+    );
     for bad in [
         "http://169.254.169.254/latest/meta-data/",
         "http://10.0.0.8:9400/dump",
@@ -108,8 +122,12 @@ fn a_batch_can_only_name_a_dump_on_its_own_pod() {
         "gopher://10.0.0.7:70/",
         "http://user@10.0.0.7:9400/dump",
         "not a url",
+        // Any other port on the pod's own address: another service of that host.
+        "http://10.0.0.7:9090/v1/config",
+        "http://10.0.0.7/dump",
+        "https://10.0.0.7/dump",
     ] {
-        assert!(!dump_url_on_pod(bad, "10.0.0.7:8000"), "{bad}");
+        assert!(!dump_url_on_pod(bad, "10.0.0.7:8000", &ports), "{bad}");
     }
     // An unregistered pod's batch naming a dump elsewhere: the URL is not taken.
     let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
@@ -257,4 +275,102 @@ fn an_absurd_engine_load_saturates_instead_of_wrapping() {
     let p = sc.registry().get(pod).expect("pod");
     let v = p.load_view(crate::policy::LoadView::default(), now);
     assert_eq!(v.inflight, u32::MAX);
+}
+
+/// A pod on a local address is not learned from events: its advertised dump would point
+/// the sidecar's HTTP client at this host's own ports (Envoy's admin, the sidecar's API).
+/// Only a registration, or the operator's `--learn-local-pods`, brings one in.
+#[test]
+fn pods_on_local_addresses_are_learned_only_when_allowed() {
+    let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+    let rec = Recovery::default();
+    for pod in [
+        "127.0.0.1:8000",
+        "0.0.0.0:8000",
+        "169.254.1.1:8000",
+        "224.0.0.1:8000",
+        "[::1]:8000",
+        "[::]:8000",
+        "[fe80::1]:8000",
+        "[::ffff:127.0.0.1]:8000",
+    ] {
+        let mut b = batch(pod, "m", "e", 0, vec![stored(&[1])]);
+        b.dump_url = Some(format!("http://{pod}/v1/config"));
+        let e = ingest(&sc, &rec, &b).expect_err(pod);
+        assert_eq!(e.reason(), "local_pod", "{pod}");
+    }
+    assert!(sc.registry().all().is_empty(), "refused pods leave nothing");
+    assert!(sc.indexes.get("m").is_none(), "nor an index");
+    // An admin registration brings one in.
+    sc.register("127.0.0.1:8000", reg("m")).expect("register");
+    ingest(
+        &sc,
+        &rec,
+        &batch("127.0.0.1:8000", "m", "e", 0, vec![stored(&[1])]),
+    )
+    .expect("registered");
+    // So does the operator's flag, for single-host setups.
+    sc.registry().set_rules(Rules {
+        learn_local_pods: true,
+        ..Rules::default()
+    });
+    ingest(
+        &sc,
+        &rec,
+        &batch("127.0.0.2:8000", "m", "e", 0, vec![stored(&[1])]),
+    )
+    .expect("allowed");
+}
+
+/// A pod speaks for one model: a batch naming another is refused before any index is
+/// made for that model, so a bridge cannot fill the model slots with names of its own.
+#[test]
+fn a_batch_for_another_model_allocates_nothing() {
+    let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+    let rec = Recovery::default();
+    ingest(
+        &sc,
+        &rec,
+        &batch("10.0.0.1:8000", "m", "e", 0, vec![stored(&[1])]),
+    )
+    .expect("first");
+    for i in 0..MAX_MODELS + 5 {
+        let b = batch(
+            "10.0.0.1:8000",
+            &format!("m{i}"),
+            "e",
+            i as u64 + 1,
+            vec![stored(&[1])],
+        );
+        let e = ingest(&sc, &rec, &b).expect_err("other model");
+        assert_eq!(e.reason(), "model_mismatch");
+    }
+    assert_eq!(sc.indexes.all().len(), 1, "no index for the other names");
+    // Other pods still get their models.
+    ingest(
+        &sc,
+        &rec,
+        &batch("10.0.0.2:8000", "other", "e", 0, vec![stored(&[1])]),
+    )
+    .expect("other pod");
+}
+
+/// Every per-pod string is bounded: a batch's model or epoch, a registration's lists.
+#[test]
+fn per_pod_strings_are_bounded() {
+    let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+    let long = "e".repeat(900 * 1024);
+    let b = batch("10.0.0.1:8000", "m", &long, 0, vec![stored(&[1])]);
+    let bytes = b.encode();
+    assert!(kvroute_shared::protocol::EventBatch::decode(&bytes).is_err());
+    let mut r = reg("m");
+    r.labels.insert("k".into(), long.clone());
+    assert_eq!(
+        sc.register("10.0.0.1:8000", r).expect_err("label").reason(),
+        "bad_registration"
+    );
+    let mut r = reg("m");
+    r.adapters = (0..1000).map(|i| format!("a{i}")).collect();
+    assert!(sc.register("10.0.0.1:8000", r).is_err());
+    assert!(sc.registry().all().is_empty());
 }

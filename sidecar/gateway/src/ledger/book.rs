@@ -39,6 +39,11 @@ pub(super) struct Book {
     pub(super) decisions: HashMap<u64, Decision>,
     /// In-flight requests per routing prefix and pod; an entry lives while it is > 0.
     pub(super) prefixes: HashMap<u64, HashMap<Arc<str>, u32>>,
+    /// Other replicas' shares held, per replica (bounds what one replica can make us
+    /// keep); an entry lives while it is > 0.
+    pub(super) per_replica: HashMap<String, usize>,
+    /// Every other replica's shares held, in all.
+    pub(super) remote_total: usize,
 }
 
 impl Book {
@@ -97,6 +102,13 @@ impl Book {
         let Some(r) = p.remote.remove(key) else {
             return;
         };
+        self.remote_total = self.remote_total.saturating_sub(1);
+        if let Some(n) = self.per_replica.get_mut(&key.0) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.per_replica.remove(&key.0);
+            }
+        }
         p.horizon.release(now, r.prefill_tokens, tps);
         p.remote_blocks = p.remote_blocks.saturating_sub(r.blocks);
         if r.inflight {
@@ -123,8 +135,8 @@ pub(super) fn view_of(
     match book.pods.get(pod) {
         Some(p) => LoadView {
             pending_prefill_tokens: p.horizon.pending(t, cfg.prefill_tokens_per_s),
-            decode_blocks: p.decode_blocks + p.remote_blocks,
-            inflight: p.inflight + p.remote_inflight,
+            decode_blocks: p.decode_blocks.saturating_add(p.remote_blocks),
+            inflight: p.inflight.saturating_add(p.remote_inflight),
             queued: 0,
             prefix_inflight,
             recent_blocks: p.recent.value(t, cfg.home_window_s),

@@ -125,6 +125,16 @@ pub struct Ledger {
 }
 
 /// Another replica is taken to share our pods while its deltas arrived this recently.
+/// The most blocks one decision carries: a route's longest chain.
+pub const MAX_DECISION_BLOCKS: u64 = 1 << 20;
+/// Other replicas' shares one replica may hold here at once (a replica that really has
+/// this many requests in flight is past what any pod fleet serves).
+pub const MAX_REMOTE_PER_REPLICA: usize = 1 << 16;
+/// Other replicas' shares held here in all.
+pub const MAX_REMOTE_SHARES: usize = 1 << 18;
+/// The longest decision id a replica may send (ours are `<replica id ≤ 64>-<n>`).
+const MAX_REMOTE_ID: usize = 96;
+
 const PEER_FRESH: Duration = Duration::from_secs(30);
 
 impl Ledger {
@@ -279,7 +289,14 @@ impl Ledger {
     }
 
     /// Apply another replica's delta for a pod the caller knows. Returns whether it
-    /// changed anything (a repeated add or an unknown release does not).
+    /// changed anything (a repeated add, an unknown release, or an add past the bounds
+    /// does not).
+    ///
+    /// Another replica is trusted with no more than it could really send: a share is
+    /// clamped to what one decision on this model can carry (a route's longest chain,
+    /// its blocks' tokens, no more prefill than drains within `load_timeout_s`, after
+    /// which an unreported share expires anyway), sums saturate, and one replica holds at most
+    /// [`MAX_REMOTE_PER_REPLICA`] shares ([`MAX_REMOTE_SHARES`] in all).
     pub fn apply_remote(
         &self,
         pod: &Arc<str>,
@@ -287,7 +304,7 @@ impl Ledger {
         now: Instant,
         cfg: &PolicyConfig,
     ) -> bool {
-        if l.replica == self.replica {
+        if l.replica == self.replica || l.id.len() > MAX_REMOTE_ID {
             return false;
         }
         let (t, tps) = (clock(now), cfg.prefill_tokens_per_s);
@@ -306,22 +323,36 @@ impl Ledger {
                 {
                     return false;
                 }
+                let held = book.per_replica.get(&l.replica).copied().unwrap_or(0);
+                if held >= MAX_REMOTE_PER_REPLICA || book.remote_total >= MAX_REMOTE_SHARES {
+                    return false;
+                }
+                let blocks = l.blocks.min(MAX_DECISION_BLOCKS);
+                let m = cfg.model(&l.model);
+                let block_tokens = u64::from(m.block_size.max(m.text_block_bytes).max(1));
+                // Nor more prefill than drains before the share expires unreported.
+                let drains = (tps.max(1.0) * cfg.load_timeout_s as f64) as u64;
                 let share = RemoteShare {
                     at: now,
-                    prefill_tokens: l.prefill_tokens,
-                    blocks: l.blocks,
+                    prefill_tokens: l
+                        .prefill_tokens
+                        .min(blocks.saturating_mul(block_tokens))
+                        .min(drains),
+                    blocks,
                     prefix: l.prefix.filter(|_| l.inflight),
                     inflight: l.inflight,
                 };
                 if let Some(k) = share.prefix {
                     book.prefix_add(k, pod);
                 }
+                *book.per_replica.entry(l.replica.clone()).or_insert(0) += 1;
+                book.remote_total += 1;
                 let p = book.pod(pod);
-                p.horizon.add(t, l.prefill_tokens, tps);
-                p.recent.add(t, l.blocks, cfg.home_window_s);
-                p.remote_blocks += share.blocks;
+                p.horizon.add(t, share.prefill_tokens, tps);
+                p.recent.add(t, share.blocks, cfg.home_window_s);
+                p.remote_blocks = p.remote_blocks.saturating_add(share.blocks);
                 if share.inflight {
-                    p.remote_inflight += 1;
+                    p.remote_inflight = p.remote_inflight.saturating_add(1);
                 }
                 p.remote.insert(key, share);
                 true

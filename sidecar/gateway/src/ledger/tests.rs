@@ -152,3 +152,51 @@ fn without_replica_sync_no_deltas_are_built() {
     let (_, releases) = l.release(id, now, &cfg).expect("released");
     assert!(releases.is_empty());
 }
+
+/// Another replica (or whoever publishes on its subject) sends deltas no real decision
+/// carries: a share near 2^64 tokens, blocks that wrap the pod's sums, and an endless
+/// stream of adds. Each is clamped to one decision's worth, sums saturate, and one
+/// replica's shares are capped.
+#[test]
+fn hostile_replica_deltas_are_clamped_saturated_and_bounded() {
+    let (l, cfg, now) = (ledger("me"), PolicyConfig::default(), Instant::now());
+    let pod: Arc<str> = Arc::from("a:1");
+    let huge = |id: &str| LoadDelta {
+        replica: "peer".into(),
+        id: id.into(),
+        pod: "a:1".into(),
+        model: "m".into(),
+        op: LoadOp::Add,
+        prefill_tokens: u64::MAX - 7,
+        blocks: u64::MAX - 3,
+        prefix: Some(3),
+        inflight: true,
+    };
+    assert!(l.apply_remote(&pod, &huge("x"), now, &cfg));
+    assert!(l.apply_remote(&pod, &huge("y"), now, &cfg));
+    let v = l.view("a:1", Some(3), now, &cfg);
+    // Two decisions' worth at most, not a wrapped sum that makes the pod look idle.
+    assert_eq!(v.decode_blocks, 2 * MAX_DECISION_BLOCKS, "{v:?}");
+    // Each share's prefill drains within the time it may stay unreported.
+    let pending_s = v.pending_prefill_tokens as f64 / cfg.prefill_tokens_per_s;
+    assert!(
+        pending_s <= 2.0 * cfg.load_timeout_s as f64 + 1.0,
+        "{} pending tokens ({pending_s:.0} s)",
+        v.pending_prefill_tokens
+    );
+    // A decision id no replica issues is ignored.
+    assert!(!l.apply_remote(&pod, &huge(&"z".repeat(4096)), now, &cfg));
+    // An endless stream of adds: one replica holds at most its cap.
+    for i in 0..MAX_REMOTE_PER_REPLICA + 100 {
+        l.apply_remote(&pod, &huge(&format!("n{i}")), now, &cfg);
+    }
+    assert_eq!(l.remote_count("a:1"), MAX_REMOTE_PER_REPLICA);
+    let v = l.view("a:1", Some(3), now, &cfg);
+    assert_eq!(v.inflight as usize, MAX_REMOTE_PER_REPLICA);
+    // Another replica still gets its own room.
+    let other = LoadDelta {
+        replica: "peer2".into(),
+        ..huge("q")
+    };
+    assert!(l.apply_remote(&pod, &other, now, &cfg));
+}

@@ -7,6 +7,8 @@ use super::{MAX_PODS, MAX_SEQ_JUMP};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RegisterError {
     EmptyModel,
+    /// A string or list past its bound, or a dump URL that is not http(s).
+    Invalid(String),
     BadPodId(String),
     /// The model already has the most pods one index holds.
     ModelFull(String),
@@ -15,7 +17,9 @@ pub enum RegisterError {
 impl RegisterError {
     pub fn reason(&self) -> &'static str {
         match self {
-            RegisterError::EmptyModel | RegisterError::BadPodId(_) => "bad_registration",
+            RegisterError::EmptyModel | RegisterError::BadPodId(_) | RegisterError::Invalid(_) => {
+                "bad_registration"
+            }
             RegisterError::ModelFull(_) => "model_full",
         }
     }
@@ -33,6 +37,7 @@ impl std::fmt::Display for RegisterError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             RegisterError::EmptyModel => f.write_str("model must not be empty"),
+            RegisterError::Invalid(m) => f.write_str(m),
             RegisterError::BadPodId(id) => write!(f, "pod id {id:?} must be IP:port"),
             RegisterError::ModelFull(m) => f.write_str(m),
         }
@@ -55,6 +60,9 @@ pub enum StreamError {
         got: u64,
     },
     Unregistered(String),
+    /// A pod on a loopback, unspecified, link-local or multicast address that no admin
+    /// registered (its dump fetch would reach this host's own ports).
+    LocalPod(String),
     Removed(String),
     ModelMismatch {
         pod: String,
@@ -70,6 +78,7 @@ impl StreamError {
             StreamError::TooManyPods(_) => "pod_cap",
             StreamError::SeqJump { .. } => "seq_jump",
             StreamError::Unregistered(_) => "unregistered_pod",
+            StreamError::LocalPod(_) => "local_pod",
             StreamError::Removed(_) => "removed_pod",
             StreamError::ModelMismatch { .. } => "model_mismatch",
         }
@@ -90,6 +99,10 @@ impl std::fmt::Display for StreamError {
             StreamError::Unregistered(p) => {
                 write!(f, "pod {p} is not registered (require_registration is on)")
             }
+            StreamError::LocalPod(p) => write!(
+                f,
+                "pod {p} is on a loopback, unspecified, link-local or multicast address: register it (PUT /v1/pods) or start with --learn-local-pods"
+            ),
             StreamError::ModelMismatch {
                 pod,
                 registered,

@@ -10,7 +10,12 @@
 //!   until a new epoch (an engine restart) or a new registration;
 //! - a pod's stream advances one batch at a time: a new epoch restarts it, `seq ≤ last`
 //!   is a duplicate, a jump past [`MAX_SEQ_JUMP`] is refused, a gap asks for recovery;
-//! - a batch may name only a dump URL on the pod's own address ([`dump_url_on_pod`]).
+//! - a batch is admitted only for its pod's model, before anything is allocated for it;
+//! - a pod on a loopback, unspecified, link-local or multicast address is learned from
+//!   events only when the operator allowed it at start (`--learn-local-pods`, single-host
+//!   setups); otherwise only a registration brings it in;
+//! - a batch may name only a dump URL on the pod's own IP, at the pod's own port or a
+//!   configured dump port ([`dump_url_on_pod`]); a registration may name any.
 //!
 //! Shaped like the ledger (and mini-redis's `Db`): private state behind one mutex, every
 //! change a method. One mutex over pods and tombstones: each access is a short
@@ -50,6 +55,28 @@ struct Inner {
     pods: HashMap<Arc<str>, Pod>,
     /// Removed pods and the epoch they had (`None`: removed before any event).
     tombstones: HashMap<String, Option<String>>,
+    rules: Rules,
+}
+
+/// What the operator allowed at start (flags), beyond the fixed rules.
+#[derive(Clone, Debug)]
+pub struct Rules {
+    /// Learn pods on local addresses from their events (single-host setups).
+    pub learn_local_pods: bool,
+    /// Ports besides the pod's own where a batch may say its dump is served.
+    pub dump_ports: Vec<u16>,
+}
+
+/// The port `kvroute-bridge` serves its dump on by default.
+pub const BRIDGE_DUMP_PORT: u16 = 9400;
+
+impl Default for Rules {
+    fn default() -> Rules {
+        Rules {
+            learn_local_pods: false,
+            dump_ports: vec![BRIDGE_DUMP_PORT],
+        }
+    }
 }
 
 /// Where a batch puts its pod's stream, and what the caller must do about it.
@@ -75,6 +102,11 @@ pub enum Gap {
 }
 
 impl Registry {
+    /// Set what the operator allowed (at start, before any batch).
+    pub fn set_rules(&self, rules: Rules) {
+        self.inner.lock().rules = rules;
+    }
+
     /// Register or update a pod. Returns the model it was in before, when the
     /// registration moves it to another one (its blocks there must go).
     pub fn register(
@@ -86,6 +118,7 @@ impl Registry {
         if reg.model.is_empty() {
             return Err(RegisterError::EmptyModel);
         }
+        reg.validate().map_err(RegisterError::Invalid)?;
         if !valid_pod_id(id) {
             return Err(RegisterError::BadPodId(id.to_string()));
         }
@@ -135,21 +168,32 @@ impl Registry {
     }
 
     /// Admission, before anything is allocated for a batch's pod or model: a valid id,
-    /// and room for a pod not seen before (or its registration, when one is required).
-    pub fn admit(&self, pod: &str, require_registration: bool) -> Result<(), StreamError> {
+    /// the pod's own model when it is known, and for a pod not seen before, room for it,
+    /// its registration when one is required, and an address events may bring in.
+    pub fn admit(
+        &self,
+        pod: &str,
+        model: &str,
+        require_registration: bool,
+    ) -> Result<(), StreamError> {
         if !valid_pod_id(pod) {
             return Err(StreamError::BadPod(pod.to_string()));
         }
         let g = self.inner.lock();
-        if !g.pods.contains_key(pod) {
-            if require_registration {
-                return Err(StreamError::Unregistered(pod.to_string()));
+        match g.pods.get(pod) {
+            Some(p) if p.reg.model != model => Err(StreamError::ModelMismatch {
+                pod: pod.to_string(),
+                registered: p.reg.model.clone(),
+                got: model.to_string(),
+            }),
+            Some(_) => Ok(()),
+            None if require_registration => Err(StreamError::Unregistered(pod.to_string())),
+            None if !g.rules.learn_local_pods && local_address(pod) => {
+                Err(StreamError::LocalPod(pod.to_string()))
             }
-            if g.pods.len() >= MAX_PODS {
-                return Err(StreamError::TooManyPods(pod.to_string()));
-            }
+            None if g.pods.len() >= MAX_PODS => Err(StreamError::TooManyPods(pod.to_string())),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Advance the batch's pod's stream by this batch (the pod is learned from it if it
@@ -162,7 +206,11 @@ impl Registry {
         now: Instant,
     ) -> Result<Advance, StreamError> {
         let mut g = self.inner.lock();
-        let Inner { pods, tombstones } = &mut *g;
+        let Inner {
+            pods,
+            tombstones,
+            rules,
+        } = &mut *g;
         if let Some(epoch) = tombstones.get(b.pod.as_str()) {
             if epoch.is_none() || epoch.as_deref() == Some(b.epoch.as_str()) {
                 return Err(StreamError::Removed(b.pod.clone()));
@@ -172,6 +220,9 @@ impl Registry {
         let pod = match pods.get_mut(b.pod.as_str()) {
             Some(p) => p,
             None if require_registration => return Err(StreamError::Unregistered(b.pod.clone())),
+            None if !rules.learn_local_pods && local_address(&b.pod) => {
+                return Err(StreamError::LocalPod(b.pod.clone()))
+            }
             None => {
                 let reg = PodRegistration {
                     model: b.model.clone(),
@@ -194,7 +245,12 @@ impl Registry {
         // word wins. Only a URL on the pod's own address is taken: the sidecar fetches it,
         // and an event must not be able to aim the sidecar's HTTP client elsewhere.
         if !pod.registered && b.dump_url.is_some() && pod.reg.dump_url != b.dump_url {
-            match b.dump_url.as_deref().filter(|u| dump_url_on_pod(u, &b.pod)) {
+            let ports = &rules.dump_ports;
+            match b
+                .dump_url
+                .as_deref()
+                .filter(|u| dump_url_on_pod(u, &b.pod, ports))
+            {
                 Some(u) => pod.reg.dump_url = Some(u.to_string()),
                 None => out.dump_url_refused = true,
             }
@@ -369,9 +425,9 @@ impl View<'_> {
     }
 }
 
-/// An http(s) URL whose host is the pod's own IP: the only dump location a batch may
-/// name (a registration may name any).
-pub fn dump_url_on_pod(url: &str, pod: &str) -> bool {
+/// An http(s) URL whose host is the pod's own IP and whose port is the pod's own or one
+/// of `ports`: the only dump location a batch may name (a registration may name any).
+pub fn dump_url_on_pod(url: &str, pod: &str, ports: &[u16]) -> bool {
     let (Ok(u), Ok(addr)) = (
         reqwest::Url::parse(url),
         pod.parse::<std::net::SocketAddr>(),
@@ -383,5 +439,32 @@ pub fn dump_url_on_pod(url: &str, pod: &str) -> bool {
         .map(|h| h.trim_start_matches('[').trim_end_matches(']'))
         .and_then(|h| h.parse::<std::net::IpAddr>().ok())
         .is_some_and(|ip| ip == addr.ip());
-    matches!(u.scheme(), "http" | "https") && host_is_pod && u.username().is_empty()
+    let port_ok = u
+        .port_or_known_default()
+        .is_some_and(|p| p == addr.port() || ports.contains(&p));
+    matches!(u.scheme(), "http" | "https") && host_is_pod && port_ok && u.username().is_empty()
+}
+
+/// A pod address that names this host or no host in particular: loopback, unspecified,
+/// link-local, multicast (v4 and v6, v4-mapped included).
+pub fn local_address(pod: &str) -> bool {
+    use std::net::IpAddr;
+    let Ok(addr) = pod.parse::<std::net::SocketAddr>() else {
+        return false;
+    };
+    let ip = match addr.ip() {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+        ip => ip,
+    };
+    match ip {
+        IpAddr::V4(v4) => {
+            v4.is_loopback() || v4.is_unspecified() || v4.is_link_local() || v4.is_multicast()
+        }
+        IpAddr::V6(v6) => {
+            v6.is_loopback()
+                || v6.is_unspecified()
+                || v6.is_multicast()
+                || (v6.segments()[0] & 0xffc0) == 0xfe80
+        }
+    }
 }

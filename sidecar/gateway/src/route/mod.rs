@@ -30,7 +30,7 @@ use crate::state::Sidecar;
 pub use error::RouteError;
 pub use report::{report, report_at};
 
-const MAX_CHAIN: usize = 1 << 20;
+const MAX_CHAIN: usize = crate::ledger::MAX_DECISION_BLOCKS as usize;
 /// Candidates whose tier detail is looked up for scoring (the deepest few).
 const TIER_TOP: usize = 2;
 

@@ -1,0 +1,222 @@
+//! Attacks that cross a process boundary, against the real binaries (docs/security.md):
+//! a web page in an operator's browser, a reader of `--help`, a local user beside the
+//! filter's socket, and anyone who can reach a bridge's `/dump`.
+
+use std::time::Duration;
+
+use kvroute_tests::client::{batch, stored, Api};
+use kvroute_tests::services::{sidecar_bin, BridgeProc, SidecarProc};
+
+const M: &str = "m";
+
+fn http() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .expect("client")
+}
+
+/// Without an admin token (the loopback default), a web page could POST events or routes
+/// as `text/plain` (no CORS preflight) and read lookups through DNS rebinding. The TCP
+/// listener refuses a foreign Origin, a Host that is not an IP, `localhost` or a
+/// configured name, and state changes that are not JSON.
+#[tokio::test]
+async fn a_web_page_cannot_change_or_read_the_sidecar() {
+    let sc = SidecarProc::start(&["--allowed-host", "kvroute.internal"], false).expect("sidecar");
+    let api = Api::new(sc.addr);
+    let body = batch("127.0.0.1:8001", M, "e", 0, vec![stored(&[1, 2, 3])]).encode();
+    let c = http();
+    let url = sc.url("/v1/events");
+    // A cross-site form post: text/plain, from another origin.
+    let r = c
+        .post(&url)
+        .header("content-type", "text/plain")
+        .header("origin", "http://evil.example")
+        .body(body.clone())
+        .send()
+        .await
+        .expect("post");
+    assert_eq!(r.status(), 403);
+    // The same from a page that rebinds its own name to 127.0.0.1: same-origin to the
+    // browser, but its Host is the attacker's name.
+    let host = format!("evil.example:{}", sc.addr.port());
+    for (ct, origin) in [
+        ("text/plain", None),
+        ("application/json", Some(format!("http://{host}"))),
+    ] {
+        let mut req = c
+            .post(&url)
+            .header("host", &host)
+            .header("content-type", ct);
+        if let Some(o) = &origin {
+            req = req.header("origin", o);
+        }
+        let r = req.body(body.clone()).send().await.expect("post");
+        assert_eq!(r.status(), 403, "{ct} {origin:?}");
+    }
+    let r = c
+        .get(sc.url("/v1/lookup?model=m&chain=1,2"))
+        .header("host", &host)
+        .send()
+        .await
+        .expect("get");
+    assert_eq!(r.status(), 403, "a rebound page cannot read lookups");
+    // Same-origin text/plain (no preflight either): refused for its type.
+    let r = c
+        .post(&url)
+        .header("content-type", "text/plain")
+        .body(body.clone())
+        .send()
+        .await
+        .expect("post");
+    assert_eq!(r.status(), 415);
+    let pods = api.get("/v1/pods").await.json;
+    assert_eq!(
+        pods["pods"].as_array().map(Vec::len),
+        Some(0),
+        "nothing was applied: {pods}"
+    );
+    assert!(
+        api.metric("kvroute_api_refused_total{reason=\"foreign_origin\"}")
+            .await
+            >= 1.0
+    );
+    assert!(
+        api.metric("kvroute_api_refused_total{reason=\"foreign_host\"}")
+            .await
+            >= 2.0
+    );
+    assert!(
+        api.metric("kvroute_api_refused_total{reason=\"content_type\"}")
+            .await
+            >= 1.0
+    );
+    // What the operator's own tools and the status page send still works: JSON, the
+    // listener's own origin, a configured host name.
+    let own = format!("http://{}", sc.addr);
+    let r = c
+        .post(&url)
+        .header("content-type", "application/json")
+        .header("origin", &own)
+        .body(body.clone())
+        .send()
+        .await
+        .expect("post");
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+    let r = c
+        .get(sc.url("/v1/pods"))
+        .header("host", format!("kvroute.internal:{}", sc.addr.port()))
+        .send()
+        .await
+        .expect("get");
+    assert_eq!(r.status(), 200);
+}
+
+/// `serve --help` shows flags' environment values; secrets must not be among them.
+#[test]
+fn help_does_not_print_secrets_from_the_environment() {
+    let out = std::process::Command::new(sidecar_bin())
+        .args(["serve", "--help"])
+        .env("KVROUTE_ADMIN_TOKEN", "admin-s3cret")
+        .env("KVROUTE_DUMP_TOKEN", "dump-s3cret")
+        .env("KVROUTE_NATS_PASSWORD", "nats-s3cret")
+        .env("KVROUTE_NATS_TOKEN", "natstok-s3cret")
+        .output()
+        .expect("help");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("--admin-token"), "{text}");
+    assert!(!text.contains("s3cret"), "{text}");
+    let out = std::process::Command::new(kvroute_tests::procs::workspace_bin("kvroute-bridge"))
+        .arg("--help")
+        .env("KVROUTE_BRIDGE_DUMP_TOKEN", "dump-s3cret")
+        .env("KVROUTE_BRIDGE_SIDECAR_TOKEN", "side-s3cret")
+        .output()
+        .expect("help");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("--dump-token"), "{text}");
+    assert!(!text.contains("s3cret"), "{text}");
+}
+
+/// Whoever can write the socket's directory can replace the socket with their own and
+/// receive the filter's route calls: a group- or world-writable directory is refused.
+#[test]
+fn the_socket_directory_must_be_private() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("dir");
+    for mode in [0o777, 0o770, 0o1777] {
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(mode)).expect("chmod");
+        let sock = dir.path().join("sidecar.sock");
+        let out = std::process::Command::new(sidecar_bin())
+            .args(["serve", "--listen", "127.0.0.1:0", "--uds"])
+            .arg(&sock)
+            .output()
+            .expect("run");
+        assert!(!out.status.success(), "mode {mode:o} accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("group- or world-writable"), "{err}");
+        assert!(!sock.exists(), "no socket left behind");
+    }
+    // A directory the sidecar creates itself is private.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    let sock = dir.path().join("new").join("sidecar.sock");
+    let mut sc = SidecarProc::start(&["--uds", sock.to_str().unwrap_or_default()], false)
+        .expect("sidecar in a private directory");
+    let mode = std::fs::metadata(dir.path().join("new"))
+        .expect("dir")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o022, 0, "{mode:o}");
+    sc.terminate();
+}
+
+/// Registrations name dump URLs: with an admin token set, reading them needs it.
+#[tokio::test]
+async fn pod_registrations_are_an_operators_business() {
+    let sc = SidecarProc::start(&["--admin-token", "t0k"], false).expect("sidecar");
+    let api = Api::new(sc.addr);
+    let admin = api.clone().with_token("t0k");
+    assert_eq!(admin.register("10.0.0.1:8000", M).await.status, 200);
+    for path in ["/v1/pods", "/v1/pods/10.0.0.1:8000"] {
+        assert_eq!(api.get(path).await.status, 401, "{path}");
+        assert_eq!(admin.get(path).await.status, 200, "{path}");
+    }
+    // The scheme is case-insensitive.
+    let r = http()
+        .get(sc.url("/v1/pods"))
+        .header("authorization", "bearer t0k")
+        .send()
+        .await
+        .expect("get");
+    assert_eq!(r.status(), 200);
+}
+
+/// The bridge's dump lists every cached block's chain hash: a prompt-membership oracle.
+/// With a token it answers only the sidecars that present it; without one, only
+/// loopback clients.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bridges_dump_needs_its_token() {
+    let nats = kvroute_tests::services::Nats::start().expect("nats");
+    let zmq = format!("tcp://127.0.0.1:{}", kvroute_tests::procs::free_port());
+    let _engine = kvroute_tests::vllm_pub::VllmPublisher::bind(&zmq, 16, 0)
+        .await
+        .expect("engine's publisher");
+    let b = BridgeProc::start(
+        &zmq,
+        "10.0.0.1:8000",
+        &[format!("--nats={}", nats.url()), "--dump-token=d0mp".into()],
+    )
+    .expect("bridge");
+    let url = format!("http://{}/dump", b.listen);
+    let c = http();
+    let r = c.get(&url).send().await.expect("get");
+    assert_eq!(r.status(), 401);
+    let r = c.get(&url).bearer_auth("wrong").send().await.expect("get");
+    assert_eq!(r.status(), 401);
+    let r = c.get(&url).bearer_auth("d0mp").send().await.expect("get");
+    assert_eq!(r.status(), 200);
+    assert!(
+        b.get("/metrics").await.contains("dumps_refused_total 2"),
+        "{}",
+        b.get("/metrics").await
+    );
+}
