@@ -228,6 +228,52 @@ impl EventBatch {
         )
     }
 
+    /// What the batch says, as one hash (its events and send time, not its place in the
+    /// stream): a batch delivered twice has one digest, two batches that claim the same
+    /// sequence number almost never do.
+    pub fn digest(&self) -> u64 {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        h.update(&self.ts.unwrap_or(-1.0).to_bits().to_le_bytes());
+        let words = |h: &mut xxhash_rust::xxh3::Xxh3, v: &[u64]| {
+            h.update(&(v.len() as u64).to_le_bytes());
+            for x in v {
+                h.update(&x.to_le_bytes());
+            }
+        };
+        for ev in &self.events {
+            match ev {
+                Event::Stored {
+                    tier,
+                    parent,
+                    blocks,
+                    ..
+                } => {
+                    h.update(&[1, *tier as u8]);
+                    h.update(&parent.map_or([0xff; 8], u64::to_le_bytes));
+                    words(&mut h, blocks);
+                }
+                Event::Removed { tier, blocks } => {
+                    h.update(&[2, *tier as u8]);
+                    words(&mut h, blocks);
+                }
+                Event::Cleared => h.update(&[3]),
+                Event::Shutdown => h.update(&[4]),
+                Event::Load {
+                    running,
+                    waiting,
+                    kv_usage,
+                    ..
+                } => {
+                    h.update(&[5]);
+                    h.update(&running.to_le_bytes());
+                    h.update(&waiting.to_le_bytes());
+                    h.update(&kv_usage.to_bits().to_le_bytes());
+                }
+            }
+        }
+        h.digest()
+    }
+
     pub fn encode(&self) -> Vec<u8> {
         // Serializing plain data to a Vec cannot fail; fall back to empty rather than panic.
         serde_json::to_vec(self).unwrap_or_default()

@@ -124,6 +124,9 @@ fn advance(
     if adv.gap.is_some() {
         sc.metrics.seq_gaps.inc();
     }
+    if adv.conflict {
+        sc.metrics.events_rejected.inc("seq_conflict", 1);
+    }
     Ok(adv)
 }
 

@@ -374,3 +374,38 @@ fn per_pod_strings_are_bounded() {
     assert!(sc.register("10.0.0.1:8000", r).is_err());
     assert!(sc.registry().all().is_empty());
 }
+
+/// A jump inside the allowed window used to push the pod's high-water mark ahead, so its
+/// engine's next real batches were dropped as duplicates until the stream caught up. Now
+/// the skipped range is a hole: real batches filling it are applied, a repeat is still a
+/// duplicate, and the real batch at the forged seq (other content) is a conflict that
+/// recovers the pod instead of being dropped.
+#[test]
+fn a_forged_jump_cannot_make_real_batches_look_like_duplicates() {
+    let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+    let rec = Recovery::default();
+    let pod = "10.0.0.1:8000";
+    let ix = || sc.indexes.get("m").expect("index");
+    ingest(&sc, &rec, &batch(pod, "m", "e", 0, vec![stored(&[1])])).expect("first");
+    let jump = 1 + (1 << 15);
+    let forged = batch(pod, "m", "e", jump, vec![stored(&[666])]);
+    assert!(ingest(&sc, &rec, &forged).expect("inside the window").gap);
+    // The engine goes on from seq 1: every batch counts.
+    for s in 1..=20u64 {
+        let i = ingest(&sc, &rec, &batch(pod, "m", "e", s, vec![stored(&[1000 + s])])).expect("real");
+        assert!(!i.duplicate && i.blocks_changed == 1, "seq {s}: {i:?}");
+    }
+    assert_eq!(ix().lookup(&[1015]).len(), 1, "a real block is indexed");
+    // A real repeat is still a duplicate.
+    let again = ingest(&sc, &rec, &batch(pod, "m", "e", 7, vec![stored(&[1007])])).expect("repeat");
+    assert!(again.duplicate);
+    // The engine reaching the forged seq with its own content: recovered, not dropped.
+    let real = batch(pod, "m", "e", jump, vec![stored(&[1])]);
+    let i = ingest(&sc, &rec, &real).expect("conflict");
+    assert!(!i.duplicate && i.gap, "{i:?}");
+    assert_eq!(sc.metrics.events_rejected.get("seq_conflict"), 1);
+    assert!(ix().lookup(&[666]).is_empty(), "the forged block went with the recovery");
+    // And the stream goes on.
+    let next = ingest(&sc, &rec, &batch(pod, "m", "e", jump + 1, vec![stored(&[2])])).expect("next");
+    assert!(!next.duplicate && !next.gap, "{next:?}");
+}

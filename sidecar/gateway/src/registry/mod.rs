@@ -8,8 +8,11 @@
 //!   events; an explicit registration's word (model, dump URL) beats what batches say;
 //! - a removed pod leaves a tombstone with the epoch it had: its batches are refused
 //!   until a new epoch (an engine restart) or a new registration;
-//! - a pod's stream advances one batch at a time: a new epoch restarts it, `seq ≤ last`
-//!   is a duplicate, a jump past [`MAX_SEQ_JUMP`] is refused, a gap asks for recovery;
+//! - a pod's stream advances one batch at a time: a new epoch restarts it, a jump past
+//!   [`MAX_SEQ_JUMP`] is refused, a gap asks for recovery; below the highest seq, a batch
+//!   filling a skipped range is applied, a repeat is a duplicate, and one that contradicts
+//!   what was applied at its seq is recovered as a gap — so no batch can make a later
+//!   real one look like a duplicate (`seq.rs`);
 //! - a batch is admitted only for its pod's model, before anything is allocated for it;
 //! - a pod on a loopback, unspecified, link-local or multicast address is learned from
 //!   events only when the operator allowed it at start (`--learn-local-pods`, single-host
@@ -25,6 +28,7 @@
 
 mod error;
 mod pod;
+mod seq;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -90,6 +94,8 @@ pub struct Advance {
     pub gap: Option<Gap>,
     /// The batch named a dump URL that is not on the pod's address (ignored).
     pub dump_url_refused: bool,
+    /// The batch's seq was applied before with other content: recovered as a gap.
+    pub conflict: bool,
 }
 
 /// How a pod that missed batches gets its blocks right again.
@@ -259,13 +265,22 @@ impl Registry {
             out.restarted = pod.epoch.is_some();
             pod.epoch = Some(b.epoch.clone());
             pod.last_seq = None;
+            pod.window.clear();
             pod.stale = false;
         }
+        let digest = b.digest();
         let gap = match pod.last_seq {
-            Some(last) if b.seq <= last => {
-                out.duplicate = true;
-                return Ok(out);
-            }
+            Some(last) if b.seq <= last => match pod.window.behind(b.seq, digest) {
+                seq::Behind::Duplicate => {
+                    out.duplicate = true;
+                    return Ok(out);
+                }
+                seq::Behind::FillsHole => false,
+                seq::Behind::Conflict => {
+                    out.conflict = true;
+                    true
+                }
+            },
             Some(last) if b.seq - last > MAX_SEQ_JUMP => {
                 return Err(StreamError::SeqJump {
                     pod: b.pod.clone(),
@@ -273,12 +288,16 @@ impl Registry {
                     got: b.seq,
                 })
             }
-            Some(last) => b.seq > last + 1,
+            Some(last) => {
+                pod.window.skipped(last + 1, b.seq - 1);
+                b.seq > last + 1
+            }
             // First batch we see of this epoch, not its first: we missed the start (our
             // own restart, or the engine's early batches). Resync when a dump is known.
             None => b.seq > 0 && !out.restarted && (pod.events_seen || pod.reg.dump_url.is_some()),
         };
-        pod.last_seq = Some(b.seq);
+        pod.window.applied(b.seq, digest);
+        pod.last_seq = Some(pod.last_seq.map_or(b.seq, |l| l.max(b.seq)));
         if b.events.iter().any(|e| {
             matches!(
                 e,
@@ -345,6 +364,7 @@ impl Registry {
             p.stale = false;
             if p.epoch.as_deref() == Some(epoch) {
                 p.last_seq = Some(p.last_seq.map_or(seq, |s| s.max(seq)));
+                p.window.covered_through(seq);
             }
         }
     }

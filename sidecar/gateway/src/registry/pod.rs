@@ -27,6 +27,8 @@ pub struct Pod {
     pub registered: bool,
     pub epoch: Option<String>,
     pub last_seq: Option<u64>,
+    /// Holes and recent digests below `last_seq` (the duplicate rule; `seq.rs`).
+    pub(super) window: super::seq::SeqWindow,
     /// A sequence gap was seen and not yet repaired: hits are discounted.
     pub stale: bool,
     /// Has ever sent KV events (otherwise its residency is predicted).
@@ -50,6 +52,7 @@ impl Pod {
             registered,
             epoch: None,
             last_seq: None,
+            window: Default::default(),
             stale: false,
             events_seen: false,
             last_seen: now,
