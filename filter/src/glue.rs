@@ -415,13 +415,21 @@ impl HttpContext for Http {
         } else {
             "application/json"
         };
-        let headers = vec![
+        let timeout = Duration::from_millis(sh.cfg.timeout_ms);
+        // The sidecar commits no decision it cannot answer before this callout times out
+        // (we would have failed open and never report it).
+        let deadline = now()
+            .and_then(|t| (t + timeout).duration_since(std::time::UNIX_EPOCH).ok())
+            .map(|d| d.as_millis().to_string());
+        let mut headers = vec![
             (":method", "POST"),
             (":path", sh.cfg.route_path.as_str()),
             (":authority", sh.cfg.sidecar_authority.as_str()),
             ("content-type", content_type),
         ];
-        let timeout = Duration::from_millis(sh.cfg.timeout_ms);
+        if let Some(d) = &deadline {
+            headers.push((kvroute_shared::protocol::ROUTE_DEADLINE_HEADER, d.as_str()));
+        }
         match hostcalls::dispatch_http_call(
             &sh.cfg.sidecar_cluster,
             headers,

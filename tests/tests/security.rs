@@ -220,3 +220,42 @@ async fn the_bridges_dump_needs_its_token() {
         b.get("/metrics").await
     );
 }
+
+/// A route call whose deadline passed (the filter failed open on its timeout) commits
+/// nothing: no phantom load on a pod the request never reached.
+#[tokio::test]
+async fn a_late_route_commits_nothing() {
+    let sc = SidecarProc::start(&[], false).expect("sidecar");
+    let api = Api::new(sc.addr);
+    assert_eq!(api.register("10.0.0.1:8000", M).await.status, 200);
+    let req = kvroute_tests::client::route_req(M, &[1, 2, 3], 16);
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    let c = http();
+    for (deadline, want) in [(now_ms.saturating_sub(5), 504), (now_ms + 10_000, 200)] {
+        let r = c
+            .post(sc.url("/v1/route"))
+            .header("content-type", "application/json")
+            .header(
+                kvroute_shared::protocol::ROUTE_DEADLINE_HEADER,
+                deadline.to_string(),
+            )
+            .json(&req)
+            .send()
+            .await
+            .expect("route");
+        assert_eq!(r.status(), want);
+    }
+    assert_eq!(
+        api.metric("kvroute_route_errors_total{reason=\"deadline\"}")
+            .await,
+        1.0
+    );
+    assert_eq!(
+        api.metric("kvroute_inflight_decisions").await,
+        1.0,
+        "only the answered one holds load"
+    );
+}

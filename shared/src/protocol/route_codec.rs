@@ -8,6 +8,11 @@ use super::RouteRequest;
 /// hashes) costs ~330 µs in the sidecar; this form is a copy (`kvroute-bench route`).
 pub const ROUTE_BINARY_CONTENT_TYPE: &str = "application/x-kvroute-route";
 
+/// Header of a route call: the caller's deadline, Unix milliseconds on the node's clock
+/// (the filter and its sidecar share a node). A decision that cannot be answered before
+/// it is not committed.
+pub const ROUTE_DEADLINE_HEADER: &str = "x-kvroute-deadline-ms";
+
 impl RouteRequest {
     pub fn encode_binary(&self) -> Vec<u8> {
         let head = RouteRequest {

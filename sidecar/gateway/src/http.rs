@@ -253,15 +253,20 @@ async fn route_h(State(api): State<Api>, headers: HeaderMap, body: Bytes) -> Res
             return resp;
         }
     };
+    let deadline = headers
+        .get(kvroute_shared::protocol::ROUTE_DEADLINE_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(|ms| std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms));
     let answer = if req.prompt_body.is_some() {
         // Rendering and tokenizing take milliseconds: off the async workers.
         let sc = api.sc.clone();
-        match tokio::task::spawn_blocking(move || route::route(&sc, &req)).await {
+        match tokio::task::spawn_blocking(move || route::route_until(&sc, &req, deadline)).await {
             Ok(a) => a,
             Err(e) => return err(StatusCode::INTERNAL_SERVER_ERROR, "internal", e),
         }
     } else {
-        route::route(&api.sc, &req)
+        route::route_until(&api.sc, &req, deadline)
     };
     match answer {
         Ok(resp) => Json(resp).into_response(),

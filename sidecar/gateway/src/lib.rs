@@ -45,7 +45,8 @@ pub use ingest::{fetch_dumps, ingest, ingest_at, IngestError, Ingested, Recovery
 pub use ledger::{clock_origin, Ledger};
 pub use registry::{Pod, Registry, Rules};
 pub use route::{
-    precise::precise, report, report_at, route, route_with, PolicySelector, RouteError, Selector,
+    precise::precise, report, report_at, route, route_until, route_with, PolicySelector,
+    RouteError, Selector,
 };
 pub use serve::{load_tokenizers, run as serve, wait_for_signal, ServeArgs};
 pub use state::{Channels, Sidecar};

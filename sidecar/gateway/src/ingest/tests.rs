@@ -392,7 +392,12 @@ fn a_forged_jump_cannot_make_real_batches_look_like_duplicates() {
     assert!(ingest(&sc, &rec, &forged).expect("inside the window").gap);
     // The engine goes on from seq 1: every batch counts.
     for s in 1..=20u64 {
-        let i = ingest(&sc, &rec, &batch(pod, "m", "e", s, vec![stored(&[1000 + s])])).expect("real");
+        let i = ingest(
+            &sc,
+            &rec,
+            &batch(pod, "m", "e", s, vec![stored(&[1000 + s])]),
+        )
+        .expect("real");
         assert!(!i.duplicate && i.blocks_changed == 1, "seq {s}: {i:?}");
     }
     assert_eq!(ix().lookup(&[1015]).len(), 1, "a real block is indexed");
@@ -404,8 +409,16 @@ fn a_forged_jump_cannot_make_real_batches_look_like_duplicates() {
     let i = ingest(&sc, &rec, &real).expect("conflict");
     assert!(!i.duplicate && i.gap, "{i:?}");
     assert_eq!(sc.metrics.events_rejected.get("seq_conflict"), 1);
-    assert!(ix().lookup(&[666]).is_empty(), "the forged block went with the recovery");
+    assert!(
+        ix().lookup(&[666]).is_empty(),
+        "the forged block went with the recovery"
+    );
     // And the stream goes on.
-    let next = ingest(&sc, &rec, &batch(pod, "m", "e", jump + 1, vec![stored(&[2])])).expect("next");
+    let next = ingest(
+        &sc,
+        &rec,
+        &batch(pod, "m", "e", jump + 1, vec![stored(&[2])]),
+    )
+    .expect("next");
     assert!(!next.duplicate && !next.gap, "{next:?}");
 }

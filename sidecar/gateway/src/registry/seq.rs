@@ -79,6 +79,10 @@ impl SeqWindow {
             if seq < b {
                 self.holes.push((seq + 1, b));
             }
+            // Filling every other seq of a hole splits it each time: still bounded.
+            while self.holes.len() > MAX_HOLES {
+                self.holes.remove(0);
+            }
             return Behind::FillsHole;
         }
         match self.applied.iter().find(|(s, _)| *s == seq) {
@@ -99,5 +103,34 @@ impl SeqWindow {
     #[cfg(test)]
     pub fn holes(&self) -> usize {
         self.holes.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bounded_per_pod_and_holes_split_as_they_fill() {
+        let mut w = SeqWindow::default();
+        for i in 0..100u64 {
+            w.skipped(i * 10, i * 10 + 5);
+            w.applied(i * 10 + 6, i);
+        }
+        assert_eq!(w.holes(), MAX_HOLES);
+        assert_eq!(w.applied.len(), WINDOW);
+        let last = 99 * 10;
+        assert_eq!(w.behind(last + 2, 0), Behind::FillsHole);
+        assert_eq!(w.holes(), MAX_HOLES, "split in two, the oldest given up");
+        assert_eq!(w.behind(last + 2, 0), Behind::Duplicate, "filled once");
+        assert_eq!(w.behind(last + 6, 99), Behind::Duplicate);
+        assert_eq!(w.behind(last + 6, 7), Behind::Conflict);
+        w.covered_through(last + 3);
+        assert_eq!(
+            w.behind(last + 1, 0),
+            Behind::Duplicate,
+            "older than the dump"
+        );
+        assert_eq!(w.behind(last + 4, 0), Behind::FillsHole);
     }
 }

@@ -20,6 +20,9 @@ pub enum RouteError {
         model: String,
         adapter: String,
     },
+    /// The caller's deadline passed before the decision could be answered: nothing
+    /// was committed (the filter has failed open by then and would never report it).
+    DeadlinePassed,
 }
 
 impl RouteError {
@@ -28,13 +31,16 @@ impl RouteError {
             RouteError::EmptyModel | RouteError::ChainTooLong(_) => "bad_request",
             RouteError::BlockSizeMismatch { .. } => "block_size_mismatch",
             RouteError::NoPod { .. } => "no_pod",
+            RouteError::DeadlinePassed => "deadline",
         }
     }
 
-    /// The HTTP status: the request is wrong (400) or nothing can serve it (503).
+    /// The HTTP status: the request is wrong (400), nothing can serve it (503), or its
+    /// answer would come too late (504).
     pub fn status(&self) -> u16 {
         match self {
             RouteError::NoPod { .. } => 503,
+            RouteError::DeadlinePassed => 504,
             _ => 400,
         }
     }
@@ -55,6 +61,9 @@ impl std::fmt::Display for RouteError {
                 "block_size {given} does not match the {} block size {want} configured for model {model:?}: gateway and engines must agree",
                 mode.as_str()
             ),
+            RouteError::DeadlinePassed => {
+                f.write_str("the caller's deadline passed before a decision; none was committed")
+            }
             RouteError::NoPod { model, adapter } if adapter.is_empty() => {
                 write!(f, "no live pod serves model {model:?}")
             }

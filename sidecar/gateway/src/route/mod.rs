@@ -13,7 +13,7 @@ pub mod precise;
 mod report;
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 
 use kvroute_shared::protocol::{
     LoadDelta, PolicyConfig, Ranked, Role, RouteRequest, RouteResponse,
@@ -63,10 +63,23 @@ impl Selector for PolicySelector {
 }
 
 pub fn route(sc: &Sidecar, req: &RouteRequest) -> Result<RouteResponse, RouteError> {
+    route_until(sc, req, None)
+}
+
+/// [`route`], answered only before `deadline` (the filter's, on the node's clock): a
+/// decision that would come later is not committed, since its caller has given up and
+/// would never report it — its load would sit on a pod the request never reached.
+pub fn route_until(
+    sc: &Sidecar,
+    req: &RouteRequest,
+    deadline: Option<SystemTime>,
+) -> Result<RouteResponse, RouteError> {
     let t0 = Instant::now();
-    let tokenized = precise::precise(sc, req);
-    let req = tokenized.as_ref().unwrap_or(req);
-    let r = route_with(sc, req, t0, &mut PolicySelector);
+    let r = past(deadline).and_then(|()| {
+        let tokenized = precise::precise(sc, req);
+        let req = tokenized.as_ref().unwrap_or(req);
+        route_inner(sc, req, t0, &mut PolicySelector, deadline)
+    });
     sc.metrics.route_seconds.observe(t0.elapsed().as_secs_f64());
     match &r {
         Ok(resp) if !req.dry_run => sc.recent.record(req, resp),
@@ -122,12 +135,30 @@ struct Route<'a> {
     now: Instant,
 }
 
+/// `Err` once `deadline` has passed.
+fn past(deadline: Option<SystemTime>) -> Result<(), RouteError> {
+    match deadline {
+        Some(d) if SystemTime::now() >= d => Err(RouteError::DeadlinePassed),
+        _ => Ok(()),
+    }
+}
+
 /// The whole route at `now`, picking with `sel`.
 pub fn route_with(
     sc: &Sidecar,
     req: &RouteRequest,
     now: Instant,
     sel: &mut dyn Selector,
+) -> Result<RouteResponse, RouteError> {
+    route_inner(sc, req, now, sel, None)
+}
+
+fn route_inner(
+    sc: &Sidecar,
+    req: &RouteRequest,
+    now: Instant,
+    sel: &mut dyn Selector,
+    deadline: Option<SystemTime>,
 ) -> Result<RouteResponse, RouteError> {
     let cfg = sc.config();
     validate(&cfg, req)?;
@@ -157,6 +188,8 @@ pub fn route_with(
         // Disaggregated: the prefill pod by cache and prefill load.
         prefill: disaggregated.then(|| r.prefill_pod(&pods)).flatten(),
     };
+    // The last moment to give up: after this the decision holds load until reported.
+    past(deadline)?;
     let committed = (!req.dry_run).then(|| r.commit(&pods, &chosen));
     drop(pods);
     if let Some(c) = &committed {
@@ -553,6 +586,25 @@ mod tests {
             explain: false,
             prompt_body: None,
         }
+    }
+
+    /// A route answered after its caller's deadline (a slow first turn, a busy sidecar)
+    /// used to be committed anyway: load on a pod the request never went to (the filter
+    /// had failed open), held until `load_timeout_s`. Now nothing is committed.
+    #[test]
+    fn a_decision_past_its_deadline_commits_nothing() {
+        let (sc, _ch) = four_pods();
+        let req = tokens_req((0..8).collect(), "late");
+        let gone = SystemTime::now() - std::time::Duration::from_millis(1);
+        let e = route_until(&sc, &req, Some(gone)).expect_err("too late");
+        assert_eq!((e.reason(), e.status()), ("deadline", 504));
+        assert_eq!(sc.ledger().outstanding(), 0, "no phantom load");
+        assert_eq!(sc.metrics.route_errors.get("deadline"), 1);
+        // In time: committed as ever.
+        let soon = SystemTime::now() + std::time::Duration::from_secs(5);
+        let a = route_until(&sc, &req, Some(soon)).expect("in time");
+        assert!(a.decision.is_some());
+        assert_eq!(sc.ledger().outstanding(), 1);
     }
 
     #[test]
