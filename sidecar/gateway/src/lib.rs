@@ -41,7 +41,10 @@ mod text_tokens;
 mod tokenize;
 mod ui;
 
-pub use ingest::{fetch_dumps, ingest, ingest_at, IngestError, Ingested, Recovery, ResyncJob};
+pub use ingest::{
+    fetch_dumps, ingest, ingest_at, run_workers, IngestError, IngestQueue, Ingested, QueueFull,
+    Recovery, ResyncJob,
+};
 pub use ledger::{clock_origin, Ledger};
 pub use registry::{Pod, Registry, Rules};
 pub use route::{

@@ -74,6 +74,9 @@ impl Labeled {
 pub const LATENCY_BOUNDS: [f64; 11] = [
     0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.05,
 ];
+pub const QUEUE_BOUNDS: [f64; 10] = [
+    0.000_1, 0.000_5, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.0,
+];
 pub const BLOCK_BOUNDS: [f64; 9] = [0.0, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0];
 
 /// State gauges, set from a snapshot at scrape time.
@@ -89,6 +92,8 @@ pub struct Metrics {
     registry: Registry,
     state: StateGauges,
     pub route_seconds: Histogram,
+    /// How long NATS batches waited in their pod's queue before a worker took them.
+    pub event_queue_seconds: Histogram,
     pub matched_blocks: Histogram,
     pub decisions: Labeled,
     pub route_errors: Labeled,
@@ -143,6 +148,7 @@ impl Default for Metrics {
         let mut r = Registry::default();
         let m = Metrics {
             route_seconds: Histogram::new(LATENCY_BOUNDS),
+            event_queue_seconds: Histogram::new(QUEUE_BOUNDS),
             matched_blocks: Histogram::new(BLOCK_BOUNDS),
             decisions: Labeled::new("pod"),
             route_errors: Labeled::new("reason"),
@@ -187,6 +193,12 @@ impl Default for Metrics {
             "kvroute_route_seconds",
             "Time to answer a route request.",
             &m.route_seconds,
+        );
+        h(
+            &mut r,
+            "kvroute_event_queue_seconds",
+            "Time NATS event batches waited in their pod's queue.",
+            &m.event_queue_seconds,
         );
         h(
             &mut r,

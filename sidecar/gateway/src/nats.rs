@@ -1,7 +1,10 @@
 //! Event ingestion from NATS. Every sidecar replica subscribes to the same subject, so
 //! all replicas build the same index. The connection is retried forever with backoff
 //! (also when NATS is down at start); its state is a metric and part of `/readyz`.
-//! A malformed message is counted and dropped; it never stalls the subscription.
+//! A malformed message is counted and dropped; it never stalls the subscription. Batches
+//! are decoded and checked against their subject here, then applied by the ingest
+//! workers from a queue per pod (`ingest/queue.rs`), so one pod's batches cannot hold up
+//! another's, nor this loop.
 //!
 //! This replica's load deltas leave through their own task ([`publish_outbox`]), each
 //! publish bounded by a timeout, so a NATS outage can delay only that task: event
@@ -16,7 +19,7 @@ use kvroute_service::{NatsAuth, Shutdown};
 use kvroute_shared::protocol::{EventBatch, LoadDelta};
 use tokio::sync::mpsc;
 
-use crate::ingest::{self, Recovery};
+use crate::ingest::{self, IngestQueue, Recovery};
 use crate::state::Sidecar;
 
 #[derive(Clone, Debug, Default)]
@@ -73,9 +76,13 @@ pub async fn run(
         }
     };
     sc.enable_replica_sync(true);
+    let queue = Arc::new(IngestQueue::default());
+    // At least two, so one pod's slow batch always leaves a worker for the others.
+    let workers = std::thread::available_parallelism().map_or(2, |n| n.get().max(2));
     tokio::join!(
-        consume(&sc, &rec, &client, &o, shutdown.clone()),
-        publish_outbox(&sc, &client, outbox, shutdown),
+        consume(&sc, &queue, &client, &o, shutdown.clone()),
+        publish_outbox(&sc, &client, outbox, shutdown.clone()),
+        ingest::run_workers(sc.clone(), rec, queue.clone(), workers, shutdown),
     );
     sc.enable_replica_sync(false);
 }
@@ -110,7 +117,7 @@ pub async fn publish_outbox(
 
 async fn consume(
     sc: &Arc<Sidecar>,
-    rec: &Arc<Recovery>,
+    queue: &IngestQueue,
     client: &async_nats::Client,
     o: &NatsOpts,
     mut shutdown: Shutdown,
@@ -154,9 +161,10 @@ async fn consume(
                         sc.metrics.events_rejected.inc("subject_mismatch", 1);
                         tracing::debug!("nats: batch for pod {} on subject {}", batch.pod, msg.subject);
                     }
+                    // Applied by the workers, in the pod's turn (ingest/queue.rs).
                     Ok(batch) => {
-                        if let Err(e) = ingest::ingest(sc, rec, &batch) {
-                            tracing::debug!("nats: batch refused: {e}");
+                        if queue.submit(batch, msg.payload.len()).is_err() {
+                            sc.metrics.events_rejected.inc("queue_full", 1);
                         }
                     }
                     Err(e) => {

@@ -155,8 +155,10 @@ proptest! {
                 }
                 Op::Clear(p) => {
                     if ix.handle(PODS[p]).is_none() { continue }
-                    let (_, old) = ix.reset(PODS[p]).expect("reset");
-                    pending.extend(old);
+                    match ix.reset(PODS[p]) {
+                        Ok((_, old)) => pending.extend(old),
+                        Err(u) => pending.extend(u.retired),
+                    }
                     oracle.held.insert(PODS[p], HashSet::new());
                 }
                 Op::Remove(p) => {

@@ -74,6 +74,14 @@ pub struct PodHandle {
     pub gen: u32,
 }
 
+/// A reset found no free slot: the pod is out of every lookup, with no slot, until one
+/// frees and it joins again. Its old slot (if it had one) still needs phase 2.
+#[derive(Debug)]
+#[must_use = "the retired slot must be passed to cleanup"]
+pub struct Unslotted {
+    pub retired: Option<Retired>,
+}
+
 /// A retired slot waiting for phase 2.
 #[derive(Debug, PartialEq, Eq)]
 #[must_use = "a retired slot is reused only after cleanup(); pass it to cleanup"]

@@ -119,19 +119,22 @@ impl ModelIndex {
     }
 
     /// The engine restarted or dropped its cache: the pod keeps its name but its blocks
-    /// are gone at once. It moves to a fresh slot (old one retired, to be cleaned); when
-    /// no slot is free the old one is cleaned in place first.
-    pub fn reset(&self, pod: &str) -> Result<(PodHandle, Option<Retired>), IndexError> {
+    /// are gone at once. A slot holding nothing stays as it is (free: a flood of resets
+    /// of an empty pod costs nothing); otherwise the pod moves to a fresh slot and the
+    /// old one is retired, to be cleaned in the background. When no slot is free the pod
+    /// is retired and left without one (`Full`): it is out of every lookup until a slot
+    /// frees and its next batch joins again. Nothing here scrubs synchronously, so a
+    /// reset never costs its caller a walk of the index.
+    pub fn reset(&self, pod: &str) -> Result<(PodHandle, Option<Retired>), Unslotted> {
+        if let Some(h) = self.handle(pod) {
+            if self.pod_blocks(h) == 0 && self.pods[h.slot as usize].writer.lock().is_empty() {
+                return Ok((h, None));
+            }
+        }
         let retired = self.retire(pod);
         match self.join(pod) {
             Ok(h) => Ok((h, retired)),
-            Err(IndexError::Full { .. }) if retired.is_some() => {
-                if let Some(r) = retired {
-                    self.cleanup(r);
-                }
-                Ok((self.join(pod)?, None))
-            }
-            Err(e) => Err(e),
+            Err(_) => Err(Unslotted { retired }),
         }
     }
 

@@ -124,7 +124,7 @@ fn reset_moves_to_a_fresh_slot() {
 }
 
 #[test]
-fn the_257th_pod_is_refused_and_reset_still_works_when_full() {
+fn the_257th_pod_is_refused_and_a_reset_when_full_scrubs_nothing_inline() {
     let ix = ModelIndex::new(1 << 20);
     for i in 0..256 {
         ix.join(&format!("p{i}")).expect("fits");
@@ -133,11 +133,17 @@ fn the_257th_pod_is_refused_and_reset_still_works_when_full() {
     let c = chain(6, 4);
     let h = ix.handle("p7").expect("p7");
     ix.store(h, Tier::Gpu, &c).expect("s");
-    let (h2, old) = ix.reset("p7").expect("reset when full cleans in place");
-    assert!(old.is_none());
+    // No free slot: the pod leaves every lookup at once, with no slot and no
+    // synchronous scrub; its old slot waits for phase 2 like any retired one.
+    let u = ix.reset("p7").expect_err("no slot is free");
+    assert!(depths(&ix, &c).is_empty());
+    assert!(ix.handle("p7").is_none());
+    ix.cleanup(u.retired.expect("the old slot"));
+    let h2 = ix.join("p7").expect("a slot again");
     assert_eq!(h2.slot, h.slot);
     assert_ne!(h2.gen, h.gen);
-    assert!(depths(&ix, &c).is_empty());
+    // A pod holding nothing resets in place, for free.
+    assert_eq!(ix.reset("p7").expect("empty").0, h2);
     assert_eq!(ix.stats().live_pods, 256);
 }
 

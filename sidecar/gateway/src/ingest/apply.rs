@@ -1,6 +1,8 @@
 //! Applying a batch's events to the index and predicted residency: the one loop that
 //! live ingestion, dump snapshots and the replay of batches over a dump all use, so a
-//! rule about an event kind is kept once.
+//! rule about an event kind is kept once. A batch's work is bounded by its own events:
+//! its `cleared` events collapse into one reset, a reset of a pod holding nothing is
+//! free, and none scrubs the index inline (`ModelIndex::reset`).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -50,7 +52,18 @@ pub(super) fn apply_events(
         load: None,
         removed_pod: false,
     };
-    for ev in &b.events {
+    // Whatever a batch stores or removes before its last `cleared` is gone with it: one
+    // reset per batch, however many it carries.
+    let last_clear = b.events.iter().rposition(|e| matches!(e, Event::Cleared));
+    for (i, ev) in b.events.iter().enumerate() {
+        let moot = last_clear.is_some_and(|l| i < l)
+            && matches!(
+                ev,
+                Event::Stored { .. } | Event::Removed { .. } | Event::Cleared
+            );
+        if moot {
+            continue;
+        }
         match (ev, source) {
             (Event::Stored { tier, blocks, .. }, _) => {
                 if let Ok(a) = index.store(handle, *tier, blocks) {
@@ -92,6 +105,32 @@ pub(super) fn apply_events(
     Ok(out)
 }
 
+/// A fresh (or, if it held nothing, the same) slot for the pod, its old one queued for
+/// the cleaner. With no slot free the pod is left out of the index until one frees
+/// (`Full`), never scrubbed inline.
+pub(super) fn reset_slot(
+    sc: &Sidecar,
+    index: &Arc<ModelIndex>,
+    pod: &str,
+) -> Result<PodHandle, IngestError> {
+    match index.reset(pod) {
+        Ok((h, old)) => {
+            if let Some(r) = old {
+                sc.queue_cleanup(index.clone(), r);
+            }
+            Ok(h)
+        }
+        Err(u) => {
+            if let Some(r) = u.retired {
+                sc.queue_cleanup(index.clone(), r);
+            }
+            Err(IngestError::Full(format!(
+                "pod {pod} reset with no free slot in its model's index: left out of lookups until one frees"
+            )))
+        }
+    }
+}
+
 /// Drop all of a pod's blocks at once: it moves to a fresh slot, the old one is cleaned
 /// in the background; its predicted residency goes too.
 pub(super) fn reset_pod(
@@ -101,12 +140,7 @@ pub(super) fn reset_pod(
     model: &str,
     why: &str,
 ) -> Result<PodHandle, IngestError> {
-    let (h, old) = index
-        .reset(pod)
-        .map_err(|e| IngestError::Full(e.to_string()))?;
-    if let Some(r) = old {
-        sc.queue_cleanup(index.clone(), r);
-    }
+    let h = reset_slot(sc, index, pod)?;
     if let Some((ix, r)) = sc.predicted.forget(model, pod) {
         sc.queue_cleanup(ix, r);
     }

@@ -15,6 +15,7 @@
 
 mod apply;
 mod error;
+mod queue;
 mod recovery;
 #[cfg(test)]
 mod tests;
@@ -29,6 +30,7 @@ use crate::registry::Advance;
 use crate::state::Sidecar;
 
 pub use error::IngestError;
+pub use queue::{run_workers, IngestQueue, QueueFull};
 pub use recovery::{fetch_dumps, Recovery, ResyncJob};
 
 /// What a batch did.
@@ -97,6 +99,14 @@ fn steps(
     }
     let handle = join(sc, &index, b)?;
     let handle = recovery::plan(sc, rec, &mut stream, &index, b, &adv, handle)?;
+    if adv.late {
+        // Older than what the index reflects: the recovery just planned replaces it.
+        sc.metrics.events_rejected.inc("late", 1);
+        return Ok(Ingested {
+            gap: true,
+            ..Default::default()
+        });
+    }
     let applied = apply::apply_events(sc, &index, handle, b, apply::Source::Live, now)?;
     if let Some(load) = applied.load {
         sc.registry().record_engine_load(&b.pod, load);

@@ -16,7 +16,7 @@ use kvroute_shared::protocol::EventBatch;
 use parking_lot::Mutex;
 use tokio::sync::mpsc;
 
-use super::apply::{apply_events, reset_pod, Source};
+use super::apply::{apply_events, reset_pod, reset_slot, Source};
 use super::error::IngestError;
 use crate::index::{ModelIndex, PodHandle};
 use crate::registry::{Advance, Gap, MAX_PODS};
@@ -191,12 +191,7 @@ pub fn apply_dump(
     let index = sc
         .index(&dump.model)
         .ok_or_else(|| IngestError::TooManyModels(dump.model.clone()))?;
-    let (h, old) = index
-        .reset(pod)
-        .map_err(|e| IngestError::Full(e.to_string()))?;
-    if let Some(r) = old {
-        sc.queue_cleanup(index.clone(), r);
-    }
+    let h = reset_slot(sc, &index, pod)?;
     let now = Instant::now();
     let snap = apply_events(sc, &index, h, dump, Source::Snapshot, now)?;
     let (mut h, mut n) = (snap.handle, snap.blocks_changed);
@@ -227,9 +222,9 @@ pub fn drop_blocks(sc: &Sidecar, rec: &Recovery, pod: &str, model: &str) {
     stream.replay = None;
     if let Some(ix) = sc.indexes.get(model) {
         if ix.handle(pod).is_some() {
-            if let Ok((_, Some(old))) = ix.reset(pod) {
-                sc.queue_cleanup(ix.clone(), old);
-            }
+            // With no slot free the pod stays out of the index until one frees: dropped
+            // all the same.
+            let _ = reset_slot(sc, &ix, pod);
         }
     }
     sc.registry().rebuilt(pod);

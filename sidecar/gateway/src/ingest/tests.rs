@@ -390,15 +390,26 @@ fn a_forged_jump_cannot_make_real_batches_look_like_duplicates() {
     let jump = 1 + (1 << 15);
     let forged = batch(pod, "m", "e", jump, vec![stored(&[666])]);
     assert!(ingest(&sc, &rec, &forged).expect("inside the window").gap);
-    // The engine goes on from seq 1: every batch counts.
-    for s in 1..=20u64 {
+    // The engine goes on from seq 1. The first real batch finds the forged one applied
+    // above it: the pod is recovered once (its blocks rebuilt), and from then on every
+    // batch counts.
+    let i = ingest(&sc, &rec, &batch(pod, "m", "e", 1, vec![stored(&[1001])])).expect("late");
+    assert!(i.gap && i.blocks_changed == 0, "{i:?}");
+    assert!(
+        ix().lookup(&[666]).is_empty(),
+        "the forged block went with the recovery"
+    );
+    for s in 2..=20u64 {
         let i = ingest(
             &sc,
             &rec,
             &batch(pod, "m", "e", s, vec![stored(&[1000 + s])]),
         )
         .expect("real");
-        assert!(!i.duplicate && i.blocks_changed == 1, "seq {s}: {i:?}");
+        assert!(
+            !i.duplicate && !i.gap && i.blocks_changed == 1,
+            "seq {s}: {i:?}"
+        );
     }
     assert_eq!(ix().lookup(&[1015]).len(), 1, "a real block is indexed");
     // A real repeat is still a duplicate.
@@ -409,10 +420,6 @@ fn a_forged_jump_cannot_make_real_batches_look_like_duplicates() {
     let i = ingest(&sc, &rec, &real).expect("conflict");
     assert!(!i.duplicate && i.gap, "{i:?}");
     assert_eq!(sc.metrics.events_rejected.get("seq_conflict"), 1);
-    assert!(
-        ix().lookup(&[666]).is_empty(),
-        "the forged block went with the recovery"
-    );
     // And the stream goes on.
     let next = ingest(
         &sc,
@@ -421,4 +428,35 @@ fn a_forged_jump_cannot_make_real_batches_look_like_duplicates() {
     )
     .expect("next");
     assert!(!next.duplicate && !next.gap, "{next:?}");
+}
+
+/// A batch delivered late, after later ones were applied, is not applied out of order
+/// (it could bring back a block they removed): the pod is recovered as after a gap.
+#[test]
+fn a_late_batch_cannot_bring_back_a_removed_block() {
+    let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+    let rec = Recovery::default();
+    let pod = "10.0.0.1:8000";
+    let ix = || sc.indexes.get("m").expect("index");
+    ingest(&sc, &rec, &batch(pod, "m", "e", 0, vec![stored(&[1])])).expect("0");
+    // Seq 1 (stores 7) is delayed; seq 2 removes 7 and stores 8.
+    let removed = Event::Removed {
+        tier: Default::default(),
+        blocks: vec![7],
+    };
+    assert!(
+        ingest(
+            &sc,
+            &rec,
+            &batch(pod, "m", "e", 2, vec![removed, stored(&[8])])
+        )
+        .expect("2")
+        .gap
+    );
+    let late = ingest(&sc, &rec, &batch(pod, "m", "e", 1, vec![stored(&[7])])).expect("1");
+    assert!(late.gap && late.blocks_changed == 0, "{late:?}");
+    assert!(ix().lookup(&[7]).is_empty(), "no false hit on 7");
+    assert_eq!(sc.metrics.events_rejected.get("late"), 1);
+    let next = ingest(&sc, &rec, &batch(pod, "m", "e", 3, vec![stored(&[9])])).expect("3");
+    assert!(!next.gap && next.blocks_changed == 1);
 }

@@ -96,6 +96,9 @@ pub struct Advance {
     pub dump_url_refused: bool,
     /// The batch's seq was applied before with other content: recovered as a gap.
     pub conflict: bool,
+    /// A late batch below what the index already reflects: recovered as a gap, and its
+    /// events are not applied.
+    pub late: bool,
 }
 
 /// How a pod that missed batches gets its blocks right again.
@@ -276,6 +279,10 @@ impl Registry {
                     return Ok(out);
                 }
                 seq::Behind::FillsHole => false,
+                seq::Behind::Late => {
+                    out.late = true;
+                    true
+                }
                 seq::Behind::Conflict => {
                     out.conflict = true;
                     true
@@ -296,7 +303,9 @@ impl Registry {
             // own restart, or the engine's early batches). Resync when a dump is known.
             None => b.seq > 0 && !out.restarted && (pod.events_seen || pod.reg.dump_url.is_some()),
         };
-        pod.window.applied(b.seq, digest);
+        if !gap {
+            pod.window.applied(b.seq, digest);
+        }
         pod.last_seq = Some(pod.last_seq.map_or(b.seq, |l| l.max(b.seq)));
         if b.events.iter().any(|e| {
             matches!(
@@ -307,6 +316,11 @@ impl Registry {
             pod.events_seen = true;
         }
         if gap {
+            // Whatever recovers the pod, the blocks applied so far stop counting.
+            pod.window.rebuilt();
+            if !out.late {
+                pod.window.applied(b.seq, digest);
+            }
             out.gap = Some(match pod.reg.dump_url.clone() {
                 Some(url) => {
                     pod.stale = true;
@@ -365,6 +379,7 @@ impl Registry {
             if p.epoch.as_deref() == Some(epoch) {
                 p.last_seq = Some(p.last_seq.map_or(seq, |s| s.max(seq)));
                 p.window.covered_through(seq);
+                p.window.rebuilt();
             }
         }
     }
@@ -373,6 +388,7 @@ impl Registry {
     pub fn rebuilt(&self, pod: &str) {
         if let Some(p) = self.inner.lock().pods.get_mut(pod) {
             p.stale = false;
+            p.window.rebuilt();
         }
     }
 

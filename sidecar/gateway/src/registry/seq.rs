@@ -3,7 +3,12 @@
 //! batches applied most recently. Together they keep one rule: **no batch makes a later
 //! real batch look like a duplicate.**
 //!
-//! - A batch below the highest seq that falls in a hole is a late or real batch: applied.
+//! - A batch below the highest seq that falls in a hole is a late or real batch. If no
+//!   later batch was applied since the pod's blocks were last rebuilt, it is applied (the
+//!   engine going on after a forged jump); otherwise the index already reflects later
+//!   events, so applying it out of order could bring back what they removed: it is not
+//!   applied and the pod is recovered as after a gap (one recovery per late batch; the
+//!   next ones apply in order).
 //! - One whose seq was applied with the same digest is a duplicate: dropped.
 //! - One whose seq was applied with another digest is a conflict (two batches claim
 //!   one place in the stream, so one of them is forged or the engine restarted without a
@@ -24,8 +29,11 @@ pub const WINDOW: usize = 64;
 /// How a batch at or below the pod's highest seq stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Behind {
-    /// Its seq was skipped by a jump: a real batch arriving late.
+    /// Its seq was skipped by a jump, and nothing later has been applied since the
+    /// pod's blocks were last rebuilt: apply it.
     FillsHole,
+    /// Its seq was skipped, but later batches are already applied: out of order.
+    Late,
     Duplicate,
     /// Its seq was applied with other content.
     Conflict,
@@ -37,6 +45,8 @@ pub struct SeqWindow {
     holes: Vec<(u64, u64)>,
     /// `(seq, digest)` of applied batches, oldest first.
     applied: VecDeque<(u64, u64)>,
+    /// The highest seq applied since the pod's blocks were last rebuilt.
+    top_since_rebuild: Option<u64>,
 }
 
 impl SeqWindow {
@@ -44,6 +54,13 @@ impl SeqWindow {
     pub fn clear(&mut self) {
         self.holes.clear();
         self.applied.clear();
+        self.top_since_rebuild = None;
+    }
+
+    /// The pod's blocks are being rebuilt (dropped, or replaced by a dump): what was
+    /// applied before no longer stands in the way of a late batch.
+    pub fn rebuilt(&mut self) {
+        self.top_since_rebuild = None;
     }
 
     /// A batch at `seq` with `digest` was applied.
@@ -56,6 +73,7 @@ impl SeqWindow {
             self.applied.pop_front();
         }
         self.applied.push_back((seq, digest));
+        self.top_since_rebuild = Some(self.top_since_rebuild.map_or(seq, |t| t.max(seq)));
     }
 
     /// A jump skipped `from..=to`.
@@ -82,6 +100,9 @@ impl SeqWindow {
             // Filling every other seq of a hole splits it each time: still bounded.
             while self.holes.len() > MAX_HOLES {
                 self.holes.remove(0);
+            }
+            if self.top_since_rebuild.is_some_and(|t| t > seq) {
+                return Behind::Late;
             }
             return Behind::FillsHole;
         }
@@ -120,17 +141,26 @@ mod tests {
         assert_eq!(w.holes(), MAX_HOLES);
         assert_eq!(w.applied.len(), WINDOW);
         let last = 99 * 10;
-        assert_eq!(w.behind(last + 2, 0), Behind::FillsHole);
+        assert_eq!(
+            w.behind(last + 2, 0),
+            Behind::Late,
+            "later batches were applied"
+        );
         assert_eq!(w.holes(), MAX_HOLES, "split in two, the oldest given up");
         assert_eq!(w.behind(last + 2, 0), Behind::Duplicate, "filled once");
         assert_eq!(w.behind(last + 6, 99), Behind::Duplicate);
         assert_eq!(w.behind(last + 6, 7), Behind::Conflict);
         w.covered_through(last + 3);
+        w.rebuilt();
         assert_eq!(
             w.behind(last + 1, 0),
             Behind::Duplicate,
             "older than the dump"
         );
-        assert_eq!(w.behind(last + 4, 0), Behind::FillsHole);
+        assert_eq!(
+            w.behind(last + 4, 0),
+            Behind::FillsHole,
+            "nothing later since"
+        );
     }
 }
