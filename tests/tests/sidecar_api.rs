@@ -237,7 +237,9 @@ async fn epochs_duplicates_gaps_and_tiers() {
         200,
         "first sight registers the pod"
     );
-    let dup = api.events(&batch(pod, M, "a", 0, vec![removed(&c)])).await;
+    // A redelivered batch (same seq, same content) is a duplicate; the same seq with
+    // other content is a conflict (sidecar/gateway/src/ingest/tests.rs).
+    let dup = api.events(&batch(pod, M, "a", 0, vec![stored(&c)])).await;
     assert_eq!(dup.json["duplicate"], true, "a replayed seq is ignored");
     assert_eq!(api.route(M, &c, 16).await.ranked[0].matched_blocks, 16);
     // Engine restart: new epoch, old blocks gone at once.

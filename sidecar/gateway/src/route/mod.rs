@@ -78,13 +78,18 @@ pub fn route_until(
     let r = past(deadline).and_then(|()| {
         let tokenized = precise::precise(sc, req);
         let req = tokenized.as_ref().unwrap_or(req);
-        route_inner(sc, req, t0, &mut PolicySelector, deadline)
+        let r = route_inner(sc, req, t0, &mut PolicySelector, deadline);
+        // The decision is recorded as routed: in token mode once the sidecar tokenized.
+        if let Ok(resp) = &r {
+            if !req.dry_run {
+                sc.recent.record(req, resp);
+            }
+        }
+        r
     });
     sc.metrics.route_seconds.observe(t0.elapsed().as_secs_f64());
-    match &r {
-        Ok(resp) if !req.dry_run => sc.recent.record(req, resp),
-        Ok(_) => {}
-        Err(e) => sc.metrics.route_errors.inc(e.reason(), 1),
+    if let Err(e) = &r {
+        sc.metrics.route_errors.inc(e.reason(), 1);
     }
     r
 }
