@@ -259,3 +259,72 @@ async fn a_late_route_commits_nothing() {
         "only the answered one holds load"
     );
 }
+
+/// Tokenizing holds ~90 bytes per byte of text while it runs: `/v1/tokenize` had neither
+/// a size cap nor a limit (a 12 MB prompt took seconds and a GiB). It shares the route
+/// path's budget of bytes in flight: a body over the largest field is refused (413
+/// `too_large`) before it is parsed, and a chat sent to a route over that size is routed
+/// by its text chain, counted.
+#[tokio::test]
+async fn tokenizing_is_bounded_in_bytes() {
+    let dir = kvroute_tests::fixture_model_dir("deepseek-tools").expect("model dir");
+    let model = format!("{M}={}", dir.display());
+    let sc = SidecarProc::start(&["--tokenizer", &model, "--tokenize-budget-mb", "1"], false)
+        .expect("sidecar");
+    let api = Api::new(sc.addr);
+    assert_eq!(api.register("10.0.0.1:8000", M).await.status, 200);
+    let chat = |bytes: usize| serde_json::json!({"messages": [{"role": "user", "content": "word ".repeat(bytes / 5)}]});
+    let tokenize = |body: serde_json::Value| serde_json::json!({"model": M, "path": "/v1/chat/completions", "body": body});
+    let small = api.post("/v1/tokenize", tokenize(chat(4 << 10))).await;
+    assert_eq!(small.status, 200, "{}", small.json);
+    let big = api.post("/v1/tokenize", tokenize(chat(3 << 20))).await;
+    assert_eq!(big.status, 413, "{}", big.json);
+    assert_eq!(big.json["reason"], "too_large", "{}", big.json);
+    // A route with the same chat: answered from its text chain, not tokenized.
+    let req = kvroute_tests::client::chat_route_req(M, &chat(3 << 20));
+    let r = api.post("/v1/route", &req).await;
+    assert_eq!(r.status, 200, "{}", r.json);
+    assert_eq!(
+        api.metric("kvroute_precise_prompts_total{outcome=\"too_large\"}")
+            .await,
+        2.0
+    );
+}
+
+/// Route calls over 64 KiB are decoded off the async workers, a bounded number at once
+/// (`--large-routes`); one that cannot start before its deadline is answered 504 with no
+/// work done, while small routes are answered meanwhile.
+#[tokio::test]
+async fn large_routes_wait_their_turn_up_to_their_deadline() {
+    let sc = SidecarProc::start(&["--large-routes", "1"], false).expect("sidecar");
+    let api = Api::new(sc.addr);
+    assert_eq!(api.register("10.0.0.1:8000", M).await.status, 200);
+    // A large text chain; its deadline already passed when it arrives.
+    let chain: Vec<u64> = (1..=20_000).collect();
+    let req = kvroute_tests::client::route_req(M, &chain, 16);
+    let past = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64 - 1)
+        .unwrap_or(0);
+    let body = serde_json::to_vec(&req).expect("json");
+    assert!(body.len() > 64 << 10);
+    let r = http()
+        .post(sc.url("/v1/route"))
+        .header("content-type", "application/json")
+        .header(
+            kvroute_shared::protocol::ROUTE_DEADLINE_HEADER,
+            past.to_string(),
+        )
+        .body(body.clone())
+        .send()
+        .await
+        .expect("route");
+    assert_eq!(r.status(), 504);
+    let r = api.post_raw("/v1/route", &body).await;
+    assert_eq!(r.status, 200, "without a deadline it waits for its turn");
+    assert_eq!(
+        api.metric("kvroute_route_errors_total{reason=\"deadline\"}")
+            .await,
+        1.0
+    );
+}

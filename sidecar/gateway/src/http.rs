@@ -21,12 +21,12 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use kvroute_shared::protocol::{
-    EventBatch, PodRegistration, PolicyConfig, ReportBatch, RouteRequest,
+    EventBatch, PodRegistration, PolicyConfig, ReportBatch, RouteRequest, RouteResponse,
 };
 use serde_json::json;
 
 use crate::ingest::{self, Recovery};
-use crate::route;
+use crate::route::{self, RouteError};
 use crate::state::{ConfigError, Sidecar};
 
 #[derive(Clone)]
@@ -37,6 +37,29 @@ pub struct Api {
     pub admin_token: Option<Arc<str>>,
     /// The browser checks (TCP listener only; see [`BrowserGuard`]).
     pub browser: Option<BrowserGuard>,
+    /// Route calls with large bodies decoding and routing at once (see [`LargeRoutes`]).
+    pub large_routes: LargeRoutes,
+}
+
+/// Route calls whose body is over [`LARGE_ROUTE_BYTES`] (a chat sent for the sidecar to
+/// tokenize) are decoded and routed on the blocking pool, at most one per core at a time:
+/// decoding megabytes on the async workers would hold up every small route behind them,
+/// and an unbounded number of them on the blocking pool would take every core. A call
+/// that waits past its deadline is answered `deadline` without any work.
+#[derive(Clone, Debug)]
+pub struct LargeRoutes(Arc<tokio::sync::Semaphore>);
+
+/// Route bodies larger than this take a [`LargeRoutes`] permit.
+pub const LARGE_ROUTE_BYTES: usize = 64 << 10;
+
+impl LargeRoutes {
+    /// `n` at once (`--large-routes`); `None`: one core fewer than the node has, at least
+    /// one, so small routes on the async workers always keep a core.
+    pub fn new(n: Option<usize>) -> LargeRoutes {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let n = n.unwrap_or(cores.saturating_sub(1)).max(1);
+        LargeRoutes(Arc::new(tokio::sync::Semaphore::new(n)))
+    }
 }
 
 /// What the TCP listener accepts from a client that may be a web page.
@@ -237,38 +260,86 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8], what: &str) -> Result<T, R
 }
 
 async fn route_h(State(api): State<Api>, headers: HeaderMap, body: Bytes) -> Response {
-    let binary = headers
-        .get("content-type")
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|ct| ct.starts_with(kvroute_shared::protocol::ROUTE_BINARY_CONTENT_TYPE));
-    let parsed = if binary {
-        RouteRequest::decode_binary(&body).map_err(|e| err(StatusCode::BAD_REQUEST, "bad_body", e))
-    } else {
-        parse(&body, "route request")
-    };
-    let req: RouteRequest = match parsed {
-        Ok(r) => r,
-        Err(resp) => {
-            api.sc.metrics.route_errors.inc("bad_json", 1);
-            return resp;
-        }
-    };
     let deadline = headers
         .get(kvroute_shared::protocol::ROUTE_DEADLINE_HEADER)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok())
         .map(|ms| std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms));
-    let answer = if req.prompt_body.is_some() {
+    let binary = headers
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with(kvroute_shared::protocol::ROUTE_BINARY_CONTENT_TYPE));
+    if body.len() > LARGE_ROUTE_BYTES {
+        return large_route(&api, binary, body, deadline).await;
+    }
+    let req = match decode_route(&api.sc, binary, &body) {
+        Ok(r) => r,
+        Err(resp) => return resp,
+    };
+    if req.prompt_body.is_some() {
         // Rendering and tokenizing take milliseconds: off the async workers.
         let sc = api.sc.clone();
-        match tokio::task::spawn_blocking(move || route::route_until(&sc, &req, deadline)).await {
-            Ok(a) => a,
-            Err(e) => return err(StatusCode::INTERNAL_SERVER_ERROR, "internal", e),
+        match tokio::task::spawn_blocking(move || answer(route::route_until(&sc, &req, deadline)))
+            .await
+        {
+            Ok(r) => r,
+            Err(e) => err(StatusCode::INTERNAL_SERVER_ERROR, "internal", e),
         }
     } else {
-        route::route_until(&api.sc, &req, deadline)
+        answer(route::route_until(&api.sc, &req, deadline))
+    }
+}
+
+/// A route call over [`LARGE_ROUTE_BYTES`]: decoded and answered on the blocking pool once
+/// a [`LargeRoutes`] permit is free, or `deadline` (504) if none is free in time.
+async fn large_route(
+    api: &Api,
+    binary: bool,
+    body: Bytes,
+    deadline: Option<std::time::SystemTime>,
+) -> Response {
+    let acquire = api.large_routes.0.clone().acquire_owned();
+    let permit = match deadline {
+        Some(d) => {
+            let left = d
+                .duration_since(std::time::SystemTime::now())
+                .unwrap_or_default();
+            tokio::time::timeout(left, acquire).await.ok()
+        }
+        None => Some(acquire.await),
     };
-    match answer {
+    let Some(Ok(permit)) = permit else {
+        let e = RouteError::DeadlinePassed;
+        api.sc.metrics.route_errors.inc(e.reason(), 1);
+        return err(status_of(e.status()), e.reason(), e);
+    };
+    let sc = api.sc.clone();
+    let work = move || {
+        let _permit = permit;
+        match decode_route(&sc, binary, &body) {
+            Ok(req) => answer(route::route_until(&sc, &req, deadline)),
+            Err(resp) => resp,
+        }
+    };
+    match tokio::task::spawn_blocking(work).await {
+        Ok(r) => r,
+        Err(e) => err(StatusCode::INTERNAL_SERVER_ERROR, "internal", e),
+    }
+}
+
+/// A route call's body, JSON or binary; a refusal (counted `bad_json`) otherwise.
+#[allow(clippy::result_large_err)] // as `parse`
+fn decode_route(sc: &Sidecar, binary: bool, body: &[u8]) -> Result<RouteRequest, Response> {
+    let parsed = if binary {
+        RouteRequest::decode_binary(body).map_err(|e| err(StatusCode::BAD_REQUEST, "bad_body", e))
+    } else {
+        parse(body, "route request")
+    };
+    parsed.inspect_err(|_| sc.metrics.route_errors.inc("bad_json", 1))
+}
+
+fn answer(r: Result<RouteResponse, RouteError>) -> Response {
+    match r {
         Ok(resp) => Json(resp).into_response(),
         Err(e) => err(status_of(e.status()), e.reason(), e),
     }
@@ -344,6 +415,18 @@ struct TokenizeBody {
 /// inspector chains these ids in the browser, and operators compare them with the
 /// engine's. Guarded like every POST.
 async fn tokenize_h(State(api): State<Api>, body: Bytes) -> Response {
+    // The same budget as routes: checked before the body is even parsed.
+    match api.sc.tokenize_budget.take(body.len()) {
+        Ok(p) => drop(p),
+        Err(r) => {
+            api.sc.metrics.precise.inc(r.reason(), 1);
+            let status = match r {
+                crate::tokenize::Refused::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+                crate::tokenize::Refused::Busy => StatusCode::SERVICE_UNAVAILABLE,
+            };
+            return err(status, r.reason(), format!("not tokenized: {}", r.reason()));
+        }
+    }
     let b: TokenizeBody = match parse(&body, "tokenize request") {
         Ok(b) => b,
         Err(resp) => return resp,
@@ -367,10 +450,22 @@ async fn tokenize_h(State(api): State<Api>, body: Bytes) -> Response {
             format!("no tokenizer is loaded for model {:?}", b.model),
         );
     };
-    let r = tokio::task::spawn_blocking(move || t.tokenize_request(chat, &b.body)).await;
+    let (sc, len) = (api.sc.clone(), body.len());
+    let model = b.model.clone();
+    let r = tokio::task::spawn_blocking(move || {
+        // Held while tokenizing; refused if the routes took the budget meanwhile.
+        let permit = sc.tokenize_budget.take(len);
+        permit.map(|_p| t.tokenize_request(chat, &b.body))
+    })
+    .await;
     match r {
-        Ok(Ok(ids)) => Json(json!({"model": b.model, "tokens": ids})).into_response(),
-        Ok(Err(e)) => err(StatusCode::UNPROCESSABLE_ENTITY, e.reason(), e),
+        Ok(Ok(Ok(ids))) => Json(json!({"model": model, "tokens": ids})).into_response(),
+        Ok(Ok(Err(e))) => err(StatusCode::UNPROCESSABLE_ENTITY, e.reason(), e),
+        Ok(Err(r)) => err(
+            StatusCode::SERVICE_UNAVAILABLE,
+            r.reason(),
+            "not tokenized: busy",
+        ),
         Err(e) => err(StatusCode::INTERNAL_SERVER_ERROR, "internal", e),
     }
 }

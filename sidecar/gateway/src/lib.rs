@@ -53,7 +53,9 @@ pub use route::{
 };
 pub use serve::{load_tokenizers, run as serve, wait_for_signal, ServeArgs};
 pub use state::{Channels, Sidecar};
-pub use tokenize::{ModelTokenizer, Tokenizers};
+pub use tokenize::{
+    Budget as TokenizeBudget, ModelTokenizer, Tokenizers, DEFAULT_BUDGET_BYTES, MAX_FIELDS_BYTES,
+};
 
 /// The allocator every binary that runs the sidecar's code installs
 /// (`#[global_allocator] static A: Allocator = Allocator;`): the `tokenizers` library

@@ -103,6 +103,16 @@ pub struct ServeArgs {
     /// Bound of each model's cache of encoded text pieces.
     #[arg(long, env = "KVROUTE_TOKENIZER_CACHE_MB", default_value_t = 256)]
     pub tokenizer_cache_mb: usize,
+    /// Client text tokenizing at once, across every request, in MiB: tokenizing holds
+    /// many times its input while it runs, so this bounds the sidecar's peak (the largest
+    /// field tokenized is the smaller of this and 2 MiB). Text past it is routed by its
+    /// text chain (`kvroute_precise_prompts_total{outcome="busy"}`).
+    #[arg(long, env = "KVROUTE_TOKENIZE_BUDGET_MB", default_value_t = crate::tokenize::DEFAULT_BUDGET_BYTES >> 20)]
+    pub tokenize_budget_mb: usize,
+    /// Route calls over 64 KiB (chats for the sidecar to tokenize) decoded and routed at
+    /// once; more wait, up to their deadline. Default: one fewer than the cores.
+    #[arg(long, env = "KVROUTE_LARGE_ROUTES")]
+    pub large_routes: Option<usize>,
 }
 
 /// Load every `MODEL=DIR` tokenizer, each with its `MODEL=FILE` chat template when one is
@@ -201,6 +211,7 @@ pub async fn run(
         recovery,
         admin_token: a.admin_token.as_deref().map(Arc::from),
         browser: Some(http::BrowserGuard::new(&a.allowed_hosts)),
+        large_routes: http::LargeRoutes::new(a.large_routes),
     };
     let servers = listeners(&a, api, &guard).await?;
 
@@ -231,6 +242,8 @@ fn state(a: &ServeArgs) -> anyhow::Result<(Arc<Sidecar>, crate::state::Channels)
     let (sc, ch) = Sidecar::with_replica(cfg, a.replica_id.clone())
         .map_err(|errs| anyhow::anyhow!("invalid config:\n  {}", errs.join("\n  ")))?;
     sc.set_tokenizers(tokenizers);
+    sc.tokenize_budget
+        .set_cap(a.tokenize_budget_mb.max(1) << 20);
     sc.registry().set_rules(crate::registry::Rules {
         learn_local_pods: a.learn_local_pods,
         dump_ports: a.dump_ports.clone(),

@@ -64,6 +64,8 @@ pub struct Sidecar {
     pub text_tokens: crate::text_tokens::TextTokens,
     /// Tokenizers by model (set at start; read by routes that carry a prompt body).
     tokenizers: RwLock<Arc<crate::tokenize::Tokenizers>>,
+    /// Client text tokenizing now, in bytes, against its cap (every tokenizing path).
+    pub tokenize_budget: crate::tokenize::Budget,
 }
 
 /// Why a config update was refused.
@@ -122,6 +124,7 @@ impl Sidecar {
             agreement: Default::default(),
             text_tokens: Default::default(),
             tokenizers: Default::default(),
+            tokenize_budget: Default::default(),
         };
         Ok((
             Arc::new(sc),

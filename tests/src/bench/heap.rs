@@ -13,6 +13,8 @@ use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering};
 
 static ON: AtomicBool = AtomicBool::new(false);
 static LIVE: AtomicIsize = AtomicIsize::new(0);
+/// The highest `LIVE` reached while counting.
+static PEAK: AtomicIsize = AtomicIsize::new(0);
 
 /// A global allocator that counts bytes allocated minus freed while a measurement runs.
 pub struct Counting<A>(pub A);
@@ -20,7 +22,8 @@ pub struct Counting<A>(pub A);
 #[inline]
 fn count(delta: isize) {
     if ON.load(Ordering::Relaxed) {
-        LIVE.fetch_add(delta, Ordering::Relaxed);
+        let now = LIVE.fetch_add(delta, Ordering::Relaxed) + delta;
+        PEAK.fetch_max(now, Ordering::Relaxed);
     }
 }
 
@@ -66,4 +69,15 @@ pub fn held_by<T>(f: impl FnOnce() -> T) -> (T, isize) {
     let r = f();
     ON.store(false, Ordering::Relaxed);
     (r, LIVE.load(Ordering::Relaxed) - before)
+}
+
+/// What `f` returns and the most heap bytes it had allocated at once beyond what was
+/// live before it (its peak), under the same conditions as [`held_by`].
+pub fn peak_of<T>(f: impl FnOnce() -> T) -> (T, isize) {
+    let before = LIVE.load(Ordering::Relaxed);
+    PEAK.store(before, Ordering::Relaxed);
+    ON.store(true, Ordering::Relaxed);
+    let r = f();
+    ON.store(false, Ordering::Relaxed);
+    (r, PEAK.load(Ordering::Relaxed) - before)
 }

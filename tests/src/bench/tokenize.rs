@@ -254,7 +254,11 @@ pub fn run(o: &Opts) -> anyhow::Result<Value> {
     println!(
         "  route throughput (in-process, one thread): {precise_rps:.0}/s with tokenization of 21st turns, {chain_rps:.0}/s for their token chains"
     );
+    // The flood's sidecar caches no pieces: an attacker's chats are all new text, and
+    // the segment cache is bounded on its own (measured above).
+    let flood = flood(&dir, &sidecar(ModelTokenizer::load(&dir, 0)?), &mut rng)?;
     Ok(json!({
+        "flood": flood,
         "dir": dir, "iterations": n,
         "cold_4k_chat_p50_us": cold50 as f64 / 1e3, "bare_encode_4k_p50_us": bare4_50 as f64 / 1e3,
         "cold_4k_ratio": cold50 as f64 / bare4_50.max(1) as f64,
@@ -269,4 +273,180 @@ pub fn run(o: &Opts) -> anyhow::Result<Value> {
         "heap_mb_per_cached_mb": heap_per_cached_mb,
         "precise_routes_per_s": precise_rps, "token_chain_routes_per_s": chain_rps,
     }))
+}
+
+/// A flood of maximum-size chats against the tokenizing budget, side by side: the peak
+/// heap per tokenized byte (in process); then the release sidecar binary, started with
+/// the model's tokenizer and no segment cache (an attacker's chats are all new text; the
+/// cache is bounded on its own, above), takes 64 concurrent HTTP clients each sending
+/// chats of the largest tokenized size for 3 s, beside one client of small token routes
+/// — once with the default budget, once with the budget the one-per-core limiter gave a
+/// 16-core node (16 x 2 MiB in flight). Printed: the process's RSS growth to its peak
+/// (VmHWM), how many chats were tokenized or routed by text, and the small routes'
+/// latency against the filter's 25 ms timeout.
+fn flood(
+    dir: &std::path::Path,
+    sc: &std::sync::Arc<Sidecar>,
+    rng: &mut Rng,
+) -> anyhow::Result<Value> {
+    use kvroute_sidecar::{DEFAULT_BUDGET_BYTES, MAX_FIELDS_BYTES};
+    const CLIENTS: usize = 64;
+    let max = MAX_FIELDS_BYTES / 16 * 15;
+    let one = chat_req(&json!({"messages": [{"role": "user", "content": prose(rng, max)}]}));
+    let field_bytes = one.prompt_body.as_ref().map_or(0, |b| b.fields.get().len());
+    let (r, peak) = heap::peak_of(|| kvroute_sidecar::precise(sc, &one));
+    anyhow::ensure!(
+        r.is_some(),
+        "the largest chat ({field_bytes} bytes of fields) is tokenized: {:?}",
+        [
+            "too_large",
+            "busy",
+            "template_error",
+            "bad_request",
+            "encode_error",
+            "no_tokenizer"
+        ]
+        .map(|l| (l, sc.metrics.precise.get(l)))
+    );
+    let per_byte = peak as f64 / field_bytes.max(1) as f64;
+    println!(
+        "  tokenizing a {:.1} MiB chat peaks at {:.0} MiB of heap: {per_byte:.0} bytes per byte of text",
+        field_bytes as f64 / (1 << 20) as f64,
+        peak as f64 / (1 << 20) as f64
+    );
+    let bodies: Vec<bytes::Bytes> = (0..CLIENTS)
+        .map(|_| {
+            let req =
+                chat_req(&json!({"messages": [{"role": "user", "content": prose(rng, max)}]}));
+            serde_json::to_vec(&req).map(bytes::Bytes::from)
+        })
+        .collect::<Result<_, _>>()?;
+    let small = serde_json::to_vec(&route_req_small())?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let mut rows = Vec::new();
+    // The one-per-core limiter on a 16-core node (16 x 2 MiB tokenizing, 16 large routes
+    // at once); the default budget on that node; the defaults on this one.
+    for (label, budget, large) in [
+        (
+            "16 cores, one chat per core",
+            16 * MAX_FIELDS_BYTES,
+            Some(16),
+        ),
+        ("16 cores, default budget", DEFAULT_BUDGET_BYTES, Some(16)),
+        ("this node, defaults", DEFAULT_BUDGET_BYTES, None),
+    ] {
+        let model = format!("m={}", dir.display());
+        let mb = (budget >> 20).to_string();
+        let mut args = vec![
+            "--tokenizer".to_string(),
+            model,
+            "--tokenizer-cache-mb".into(),
+            "0".into(),
+            "--tokenize-budget-mb".into(),
+            mb,
+        ];
+        if let Some(n) = large {
+            args.extend(["--large-routes".into(), n.to_string()]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let proc = crate::services::SidecarProc::start(&args, false)?;
+        let row = rt.block_on(flood_one(&proc, &bodies, &small))?;
+        println!(
+            "  {CLIENTS} clients of {:.0} MiB chats, {label} ({} MiB tokenizing): {} tokenized, {} routed by text (busy); RSS +{:.0} MiB; small routes p50 {:.2} ms p99 {:.2} ms (filter timeout 25 ms)",
+            field_bytes as f64 / (1 << 20) as f64,
+            budget >> 20,
+            row["tokenized"], row["busy"], row["rss_growth_mb"].as_f64().unwrap_or(0.0),
+            row["small_route_p50_ms"].as_f64().unwrap_or(0.0),
+            row["small_route_p99_ms"].as_f64().unwrap_or(0.0),
+        );
+        let mut row = row;
+        row["budget"] = json!(label);
+        row["budget_mb"] = json!(budget >> 20);
+        row["large_routes"] = json!(large);
+        rows.push(row);
+    }
+    Ok(json!({"peak_heap_bytes_per_text_byte": per_byte, "runs": rows}))
+}
+
+/// One flood against a running sidecar: 3 s of `bodies` from 64 clients and small
+/// routes from one, timed; RSS from the process's own accounting.
+async fn flood_one(
+    proc: &crate::services::SidecarProc,
+    bodies: &[bytes::Bytes],
+    small: &[u8],
+) -> anyhow::Result<Value> {
+    let api = crate::client::Api::new(proc.addr);
+    for p in 0..8 {
+        api.register(&format!("10.0.0.{p}:8000"), "m").await;
+    }
+    let url = format!("http://{}/v1/route", proc.addr);
+    let http = reqwest::Client::new();
+    let post = |body: bytes::Bytes| {
+        http.post(&url)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    // Warm: one small route and one chat, so the baseline holds what a running sidecar does.
+    let _ = post(bytes::Bytes::copy_from_slice(small)).await?;
+    let _ = post(bodies[0].clone()).await?;
+    let status = |key: &str| proc_status_kb(proc.pid(), key);
+    let before = status("VmRSS:");
+    let run = std::time::Duration::from_secs(3);
+    let t0 = Instant::now();
+    let flood = bodies.iter().cloned().map(|b| {
+        let post = &post;
+        async move {
+            while t0.elapsed() < run {
+                if let Ok(r) = post(b.clone()).await {
+                    let _ = r.bytes().await;
+                }
+            }
+        }
+    });
+    let probe = async {
+        let mut lat = Samples::default();
+        let small = bytes::Bytes::copy_from_slice(small);
+        while t0.elapsed() < run {
+            let t = Instant::now();
+            if let Ok(r) = post(small.clone()).await {
+                let _ = r.bytes().await;
+            }
+            lat.push(t.elapsed().as_nanos() as u64);
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+        lat
+    };
+    let (_, mut lat) = tokio::join!(futures::future::join_all(flood), probe);
+    let peak = status("VmHWM:");
+    let tokenized = api
+        .metric("kvroute_precise_prompts_total{outcome=\"tokens\"}")
+        .await;
+    let busy = api
+        .metric("kvroute_precise_prompts_total{outcome=\"busy\"}")
+        .await;
+    Ok(json!({
+        "rss_growth_mb": peak.saturating_sub(before) as f64 / 1024.0,
+        "tokenized": tokenized, "busy": busy,
+        "small_route_p50_ms": lat.pct(50.0) as f64 / 1e6,
+        "small_route_p99_ms": lat.pct(99.0) as f64 / 1e6,
+    }))
+}
+
+/// A field of `/proc/<pid>/status` in kB (VmRSS, VmHWM).
+fn proc_status_kb(pid: u32, key: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A small token-mode route (what most routes are) for the latency probe.
+fn route_req_small() -> RouteRequest {
+    crate::client::route_req("m", &(1..=64).collect::<Vec<u64>>(), 16)
 }

@@ -7,56 +7,24 @@
 //! keeps its text chain and is routed by predicted residency, as without a body; each
 //! outcome is counted (`kvroute_precise_prompts_total`).
 //!
-//! Tokenizing costs about a millisecond per 4 KB of new text, and the text is the
-//! client's: a body over [`MAX_FIELDS_BYTES`], or one arriving while every core is already
-//! tokenizing, is routed by its text chain instead (`too_large`, `busy`), so a flood of huge
-//! chats cannot turn the sidecar's routing into a CPU queue.
-
-use std::sync::atomic::{AtomicUsize, Ordering};
+//! Tokenizing costs about a millisecond per 4 KB of new text and holds many times its
+//! input in memory while it runs, and the text is the client's: a body over the largest
+//! field the budget allows, or one arriving while the budget's bytes are all tokenizing,
+//! is routed by its text chain instead (`too_large`, `busy`; `tokenize::Budget`), so a
+//! flood of huge chats can neither turn the sidecar's routing into a CPU queue nor grow
+//! its memory past the budget's bound.
 
 use kvroute_shared::protocol::{PromptBody, RouteRequest};
 use kvroute_shared::{Mode, Namespace};
 
 use crate::state::Sidecar;
 
-/// Template fields larger than this are not tokenized (about 500k tokens of text).
-pub const MAX_FIELDS_BYTES: usize = 2 << 20;
-
-/// Tokenizations running now, across the process.
-static RUNNING: AtomicUsize = AtomicUsize::new(0);
-
-struct Slot;
-
-impl Slot {
-    fn take() -> Option<Slot> {
-        // Read once: available_parallelism reads cgroup files on every call.
-        static CAP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-        let cap = *CAP.get_or_init(|| std::thread::available_parallelism().map_or(2, |n| n.get()));
-        RUNNING
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < cap).then_some(n + 1)
-            })
-            .ok()
-            .map(|_| Slot)
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        RUNNING.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
 /// The request with its token chain, or None (counted) to route it as sent.
 pub fn precise(sc: &Sidecar, req: &RouteRequest) -> Option<RouteRequest> {
     let body = req.prompt_body.as_ref()?;
-    let outcome = if body.fields.get().len() > MAX_FIELDS_BYTES {
-        Err("too_large")
-    } else {
-        match Slot::take() {
-            Some(_slot) => tokens_of(sc, req, body),
-            None => Err("busy"),
-        }
+    let outcome = match sc.tokenize_budget.take(body.fields.get().len()) {
+        Ok(_permit) => tokens_of(sc, req, body),
+        Err(r) => Err(r.reason()),
     };
     match outcome {
         Ok(r) => {

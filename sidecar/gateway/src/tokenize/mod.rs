@@ -27,6 +27,7 @@
 //! whose added tokens strip whitespace or match on normalized text (with a normalizer
 //! that changes text) gets no cache: every request is encoded whole, still exactly.
 
+mod budget;
 mod cache;
 mod chat;
 mod error;
@@ -39,6 +40,7 @@ use std::sync::Arc;
 use aho_corasick::{AhoCorasick, MatchKind};
 use serde_json::Value;
 
+pub use budget::{Budget, Refused, DEFAULT_BUDGET_BYTES, MAX_FIELDS_BYTES};
 pub use cache::{CacheStats, SegmentCache};
 pub use error::TokenizeError;
 
