@@ -131,3 +131,13 @@ pub fn workspace_bin(name: &str) -> std::path::PathBuf {
     }
     dir.join(name)
 }
+
+/// A `kB` field of `/proc/<pid>/status` (`VmRSS:`, `VmHWM:`), in KiB; 0 if unreadable.
+pub fn status_kib(pid: u32, key: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}

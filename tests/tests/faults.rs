@@ -465,14 +465,7 @@ async fn removed_pod_is_never_chosen_after_phase_one() {
 }
 
 fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        })
-        .unwrap_or(0)
+    kvroute_tests::procs::status_kib(pid, "VmRSS:")
 }
 
 /// Overload: route requests at several times the sidecar's capacity while traffic flows

@@ -65,7 +65,7 @@ fn istio_manifests() {
     );
     assert!(all(&ef, "path")
         .iter()
-        .any(|p| p.as_str() == Some("/var/run/kvroute/sidecar.sock")));
+        .any(|p| p.as_str() == Some("/var/run/kvroute/private/sidecar.sock")));
     assert!(!all(&ef, "fallback_policy").is_empty());
     filter_config_ok(&ef);
     // The native strip of steering headers comes before the wasm filter.
@@ -91,7 +91,7 @@ fn istio_manifests() {
         .iter()
         .filter_map(|a| a.as_str())
         .collect();
-    assert!(args.contains(&"--uds=/var/run/kvroute/sidecar.sock"));
+    assert!(args.contains(&"--uds=/var/run/kvroute/private/sidecar.sock"));
     assert!(
         args.iter().any(|a| a.starts_with("--listen=127.0.0.1")),
         "admin API on loopback"
@@ -164,6 +164,19 @@ fn vllm_bridge_manifest() {
         a: kvroute_bridge::BridgeArgs,
     }
     let ds = docs("docs/examples/vllm-bridge.yaml");
+    // The engines' ports are closed to all but the gateways, and the dump takes a token.
+    let policy = ds
+        .iter()
+        .find(|d| d["kind"].as_str() == Some("NetworkPolicy"))
+        .expect("a NetworkPolicy");
+    let ports: Vec<u64> = all(std::slice::from_ref(policy), "port")
+        .iter()
+        .filter_map(|p| p.as_u64())
+        .collect();
+    assert!(ports.contains(&8000) && ports.contains(&9400), "{ports:?}");
+    assert!(all(&ds, "name")
+        .iter()
+        .any(|n| n.as_str() == Some("KVROUTE_BRIDGE_DUMP_TOKEN")));
     let containers = all(&ds, "containers");
     let list = containers[0].as_sequence().expect("containers");
     let args = |name: &str| -> Vec<String> {

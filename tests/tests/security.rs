@@ -328,3 +328,81 @@ async fn large_routes_wait_their_turn_up_to_their_deadline() {
         1.0
     );
 }
+
+/// Every per-sidecar structure a peer or client can grow, filled far past its cap against
+/// the real binary: the engines' blocks of several models (each under its own policy cap,
+/// which used to add up without bound), predicted residency, the decisions ring with
+/// megabyte request ids. The indexes stay within `--max-index-mb` (as `/v1/status`
+/// reports it) and the process within the bound docs/security.md states for these flags.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_stays_within_its_stated_bound() {
+    const MAX_INDEX_MB: u64 = 16;
+    let sc =
+        SidecarProc::start(&["--max-index-mb", &MAX_INDEX_MB.to_string()], false).expect("sidecar");
+    let api = Api::new(sc.addr);
+    let rss0 = kvroute_tests::procs::status_kib(sc.pid(), "VmRSS:");
+    let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+    let mut blocks = |n: usize| -> Vec<u64> {
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            })
+            .collect()
+    };
+    // Confirmed: 4 models x 4 pods x 16 batches of 16k new blocks = 4M blocks, 16 times
+    // what 12 MiB of index holds.
+    for m in 0..4 {
+        for p in 0..4 {
+            let pod = format!("10.0.{m}.{p}:8000");
+            let model = format!("model-{m}");
+            assert_eq!(api.register(&pod, &model).await.status, 200);
+            for seq in 0..16 {
+                let b = batch(&pod, &model, "e", seq, vec![stored(&blocks(16 << 10))]);
+                let r = api.events(&b).await;
+                assert_eq!(r.status, 200, "{}", r.json);
+            }
+        }
+    }
+    // Predicted: pods that publish no events, 2,000 routes of 512 new blocks each.
+    for p in 0..8 {
+        api.register(&format!("10.1.0.{p}:8000"), "guessed").await;
+    }
+    let big_id = "r".repeat(1 << 20);
+    for i in 0..2000 {
+        let mut req = kvroute_tests::client::route_req("guessed", &blocks(512), 16);
+        if i % 10 == 0 {
+            req.request_id = Some(big_id.clone());
+        }
+        let r = api.post("/v1/route", &req).await;
+        assert_eq!(r.status, 200, "{}", r.json);
+    }
+    // The cleaner trims models that filled before the others took their share.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let st = api.get("/v1/status").await.json;
+    let mem = &st["memory"];
+    let (held, cap) = (
+        mem["index_bytes"].as_u64().unwrap_or(u64::MAX),
+        mem["max_index_bytes"].as_u64().unwrap_or(0),
+    );
+    assert_eq!(cap, MAX_INDEX_MB << 20, "{mem}");
+    assert!(held <= cap, "indexes hold {held} bytes, budget {cap}");
+    let entries: u64 = st["models"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|m| m["index_entries"].as_u64()).sum())
+        .unwrap_or(0);
+    assert!(entries > 100_000, "the index was filled: {entries} {st}");
+    // docs/security.md: index budget, predicted recency queues (<= 1.6 x their quarter),
+    // decisions ring (2 MiB), and the working memory of requests and the allocator
+    // (48 MiB; this run measured about 50 MiB of growth in all).
+    let rss = kvroute_tests::procs::status_kib(sc.pid(), "VmRSS:");
+    let bound_kib = (MAX_INDEX_MB + MAX_INDEX_MB * 4 / 10 + 2 + 48) << 10;
+    assert!(
+        rss.saturating_sub(rss0) <= bound_kib,
+        "RSS grew {} KiB, bound {bound_kib} KiB: {mem}",
+        rss.saturating_sub(rss0)
+    );
+    eprintln!("RSS {rss0} -> {rss} KiB; {mem}");
+}

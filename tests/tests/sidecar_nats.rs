@@ -267,15 +267,7 @@ async fn replicas_see_each_others_decisions() {
 
 /// Resident memory of a process, bytes.
 fn rss_bytes(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        })
-        .unwrap_or(0)
-        * 1024
+    kvroute_tests::procs::status_kib(pid, "VmRSS:") * 1024
 }
 
 /// NATS down for 60 s while the gateway keeps routing: routes, reports and events over

@@ -50,4 +50,7 @@ pub fn sweep(sc: &Sidecar, now: Instant) {
     sc.expire_load(now);
     sc.predicted
         .expire(Duration::from_secs(cfg.predicted_ttl_s), now);
+    // Indexes whose share of the budget shrank (a model was added) come down to it.
+    sc.trim_indexes();
+    crate::release_free_memory();
 }

@@ -58,6 +58,8 @@ impl Predicted {
         let mut fresh = Vec::new();
         let evicted = {
             let mut pods = self.pods.lock();
+            // Every pod's guesses together stay within the predicted indexes' budget.
+            let limit = self.indexes.budget() / (pods.len() as u64 + 1);
             let lru = pods.entry(Arc::from(pod)).or_insert_with(|| PodLru {
                 model: model.to_string(),
                 cap: cap as f64,
@@ -78,7 +80,8 @@ impl Predicted {
                 let live = &lru.live;
                 lru.order.retain(|(b, at)| live.get(b) == Some(at));
             }
-            evict(lru, lru.cap as usize, None)
+            let keep = (lru.cap as u64).min(limit);
+            evict(lru, usize::try_from(keep).unwrap_or(usize::MAX), None)
         };
         if !fresh.is_empty() {
             let _ = ix.store(h, Tier::Gpu, &fresh);

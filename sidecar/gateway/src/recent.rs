@@ -15,6 +15,13 @@ use serde::Serialize;
 
 /// Records kept.
 pub const RECENT: usize = 200;
+/// Bytes the records may hold together: a client's strings (its request id, a long
+/// model name, an explain breakdown) cannot make the ring large.
+pub const RECENT_BYTES: usize = 2 << 20;
+/// A request id longer than this is cut (at a character boundary).
+const REQUEST_ID_BYTES: usize = 128;
+/// An explain breakdown larger than this (serialized) is not kept.
+const EXPLAIN_BYTES: usize = 16 << 10;
 /// Candidates kept per record (the ranking's head).
 const CANDIDATES: usize = 8;
 
@@ -41,9 +48,42 @@ pub struct DecisionRecord {
     pub explain: Option<serde_json::Value>,
 }
 
+impl DecisionRecord {
+    /// Heap and inline bytes, as the ring accounts them.
+    fn bytes(&self) -> usize {
+        let opt = |s: &Option<String>| s.as_ref().map_or(0, String::len);
+        std::mem::size_of::<Self>()
+            + opt(&self.decision)
+            + opt(&self.request_id)
+            + self.model.len()
+            + self.pod.len()
+            + opt(&self.prefill_pod)
+            + self
+                .candidates
+                .iter()
+                .map(|c| std::mem::size_of::<Candidate>() + c.pod.len())
+                .sum::<usize>()
+            + self.explain.as_ref().map_or(0, |e| e.to_string().len() * 2)
+    }
+}
+
 #[derive(Default)]
 pub struct Recent {
-    ring: Mutex<VecDeque<DecisionRecord>>,
+    ring: Mutex<Ring>,
+}
+
+#[derive(Default)]
+struct Ring {
+    records: VecDeque<(DecisionRecord, usize)>,
+    bytes: usize,
+}
+
+fn cut(s: &str, max: usize) -> String {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_string()
 }
 
 impl Recent {
@@ -55,8 +95,8 @@ impl Recent {
         let rec = DecisionRecord {
             at_ms,
             decision: resp.decision.clone(),
-            request_id: req.request_id.clone(),
-            model: req.model.clone(),
+            request_id: req.request_id.as_deref().map(|r| cut(r, REQUEST_ID_BYTES)),
+            model: cut(&req.model, kvroute_shared::protocol::MAX_NAME_BYTES),
             mode: req.mode.as_str(),
             chain_blocks: req.chain.len(),
             prompt_tokens: req.prompt_tokens,
@@ -72,18 +112,38 @@ impl Recent {
                     cost: r.score,
                 })
                 .collect(),
-            explain: resp.explain.clone(),
+            explain: resp
+                .explain
+                .clone()
+                .filter(|e| e.to_string().len() <= EXPLAIN_BYTES),
         };
+        let bytes = rec.bytes();
         let mut ring = self.ring.lock();
-        if ring.len() == RECENT {
-            ring.pop_front();
+        while ring.records.len() >= RECENT
+            || (ring.bytes + bytes > RECENT_BYTES && !ring.records.is_empty())
+        {
+            if let Some((_, b)) = ring.records.pop_front() {
+                ring.bytes -= b;
+            }
         }
-        ring.push_back(rec);
+        ring.bytes += bytes;
+        ring.records.push_back((rec, bytes));
+    }
+
+    /// Bytes the ring holds (as accounted).
+    pub fn bytes(&self) -> usize {
+        self.ring.lock().bytes
     }
 
     /// Up to `n` records, newest first.
     pub fn latest(&self, n: usize) -> Vec<DecisionRecord> {
-        self.ring.lock().iter().rev().take(n).cloned().collect()
+        let ring = self.ring.lock();
+        ring.records
+            .iter()
+            .rev()
+            .take(n)
+            .map(|(r, _)| r.clone())
+            .collect()
     }
 }
 
@@ -131,5 +191,33 @@ mod tests {
         assert_eq!(l[0].candidates.len(), CANDIDATES);
         assert_eq!(l[0].mode, Mode::Tokens.as_str());
         assert_eq!(r.latest(3).len(), 3);
+    }
+
+    /// A client's strings used to be kept whole, 200 times over.
+    #[test]
+    fn is_bounded_in_bytes_whatever_the_client_sends() {
+        let r = Recent::default();
+        let mut q = req(0);
+        q.request_id = Some("x".repeat(1 << 20));
+        q.model = "m".repeat(1 << 20);
+        let resp = RouteResponse {
+            pod: "10.0.0.1:8000".into(),
+            decision: None,
+            ranked: Vec::new(),
+            tier_hint: None,
+            prefill_pod: None,
+            policy_version: 1,
+            explain: Some(serde_json::json!({"why": "y".repeat(8 << 10)})),
+        };
+        for _ in 0..RECENT {
+            r.record(&q, &resp);
+        }
+        assert!(r.bytes() <= RECENT_BYTES, "{}", r.bytes());
+        let l = r.latest(1);
+        assert_eq!(
+            l[0].request_id.as_ref().map(String::len),
+            Some(REQUEST_ID_BYTES)
+        );
+        assert!(l[0].explain.is_some(), "an explain of 8 KiB is kept");
     }
 }

@@ -109,6 +109,12 @@ pub struct ServeArgs {
     /// text chain (`kvroute_precise_prompts_total{outcome="busy"}`).
     #[arg(long, env = "KVROUTE_TOKENIZE_BUDGET_MB", default_value_t = crate::tokenize::DEFAULT_BUDGET_BYTES >> 20)]
     pub tokenize_budget_mb: usize,
+    /// Memory all block indexes together may hold, in MiB: three quarters for the
+    /// engines' events, a quarter for predicted residency; each model gets an equal share
+    /// (and at most its policy `max_blocks`), and a pod past its share of a full index
+    /// replaces its own blocks. Shown in `/v1/status` (`memory`).
+    #[arg(long, env = "KVROUTE_MAX_INDEX_MB", default_value_t = 384)]
+    pub max_index_mb: u64,
     /// Route calls over 64 KiB (chats for the sidecar to tokenize) decoded and routed at
     /// once; more wait, up to their deadline. Default: one fewer than the cores.
     #[arg(long, env = "KVROUTE_LARGE_ROUTES")]
@@ -244,6 +250,7 @@ fn state(a: &ServeArgs) -> anyhow::Result<(Arc<Sidecar>, crate::state::Channels)
     sc.set_tokenizers(tokenizers);
     sc.tokenize_budget
         .set_cap(a.tokenize_budget_mb.max(1) << 20);
+    sc.set_index_budget(a.max_index_mb.max(1) << 20);
     sc.registry().set_rules(crate::registry::Rules {
         learn_local_pods: a.learn_local_pods,
         dump_ports: a.dump_ports.clone(),

@@ -176,6 +176,28 @@ impl Sidecar {
         self.indexes.get_or_create_capped(model, cap, MAX_MODELS)
     }
 
+    /// The bytes every index together may hold (`--max-index-mb`): three quarters for
+    /// the confirmed indexes (engines' events), a quarter for predicted residency.
+    pub fn set_index_budget(&self, bytes: u64) {
+        let entries = bytes / crate::index::BUDGET_BYTES_PER_ENTRY;
+        self.indexes.set_budget(entries / 4 * 3);
+        self.predicted.indexes.set_budget(entries / 4);
+    }
+
+    /// The budget set by [`Sidecar::set_index_budget`], in bytes (None: unbounded).
+    pub fn index_budget(&self) -> Option<u64> {
+        let e = self
+            .indexes
+            .budget()
+            .checked_add(self.predicted.indexes.budget())?;
+        e.checked_mul(crate::index::BUDGET_BYTES_PER_ENTRY)
+    }
+
+    /// Evict every index down to its cap (a new model took its share of the budget).
+    pub fn trim_indexes(&self) -> u64 {
+        self.indexes.trim() + self.predicted.indexes.trim()
+    }
+
     /// The pod registry (its methods keep its rules; nothing else holds its lock).
     pub fn registry(&self) -> &Registry {
         &self.registry

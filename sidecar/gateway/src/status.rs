@@ -54,6 +54,7 @@ pub fn snapshot(sc: &Sidecar) -> Value {
         models.insert(
             m.clone(),
             json!({"model": m, "index_entries": s.entries, "index_bytes": s.heap_bytes,
+                   "index_max_blocks": s.max_blocks, "over_share": s.over_share,
                    "live_pods": s.live_pods, "draining_pods": s.draining_pods, "evicted": s.evicted}),
         );
     }
@@ -103,6 +104,12 @@ pub fn snapshot(sc: &Sidecar) -> Value {
             "mispredictions": m.mispredictions.get(),
             "precise_prompts": as_map(m.precise.snapshot()),
             "inflight": sc.ledger().outstanding(),
+        },
+        "memory": {
+            "max_index_bytes": sc.index_budget(),
+            "index_bytes": sc.indexes.all().iter().map(|(_, ix)| ix.stats().heap_bytes).sum::<u64>()
+                + sc.predicted.indexes.all().iter().map(|(_, ix)| ix.stats().heap_bytes).sum::<u64>(),
+            "tokenize_budget_bytes": sc.tokenize_budget.cap(),
         },
         "agreement": sc.agreement.snapshot(),
         "models": models.into_values().collect::<Vec<_>>(),

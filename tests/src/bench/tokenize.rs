@@ -393,7 +393,7 @@ async fn flood_one(
     // Warm: one small route and one chat, so the baseline holds what a running sidecar does.
     let _ = post(bytes::Bytes::copy_from_slice(small)).await?;
     let _ = post(bodies[0].clone()).await?;
-    let status = |key: &str| proc_status_kb(proc.pid(), key);
+    let status = |key: &str| crate::procs::status_kib(proc.pid(), key);
     let before = status("VmRSS:");
     let run = std::time::Duration::from_secs(3);
     let t0 = Instant::now();
@@ -434,16 +434,6 @@ async fn flood_one(
         "small_route_p50_ms": lat.pct(50.0) as f64 / 1e6,
         "small_route_p99_ms": lat.pct(99.0) as f64 / 1e6,
     }))
-}
-
-/// A field of `/proc/<pid>/status` in kB (VmRSS, VmHWM).
-fn proc_status_kb(pid: u32, key: &str) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix(key))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0)
 }
 
 /// A small token-mode route (what most routes are) for the latency probe.

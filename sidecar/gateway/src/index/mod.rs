@@ -201,6 +201,10 @@ pub struct IndexStats {
     pub live_pods: u32,
     pub draining_pods: u32,
     pub evicted: u64,
+    /// New blocks of a pod over its share of a full index that were not indexed.
+    pub over_share: u64,
+    /// Entries the index may hold now: its configured cap or its share of the budget.
+    pub max_blocks: u64,
 }
 
 /// What applying some blocks did.
@@ -216,9 +220,14 @@ pub struct ModelIndex {
     owners_epoch: AtomicU64,
     slots: RwLock<SlotTable>,
     pods: Box<[PodData]>,
-    /// Cap on entries per shard (the model cap / 256, rounded up).
+    /// Cap on entries per shard: the smaller of `configured` and `share`, / 256.
     shard_cap: AtomicUsize,
+    /// The model's `max_blocks` from the policy.
+    configured: AtomicU64,
+    /// This index's share of its [`Indexes`]' budget.
+    share: AtomicU64,
     evicted: AtomicU64,
+    over_share: AtomicU64,
     strategy: AtomicU64,
     memo: memo::DepthMemo,
 }
@@ -248,7 +257,10 @@ impl ModelIndex {
                 })
                 .collect(),
             shard_cap: AtomicUsize::new(Self::per_shard(max_blocks)),
+            configured: AtomicU64::new(max_blocks),
+            share: AtomicU64::new(u64::MAX),
             evicted: AtomicU64::new(0),
+            over_share: AtomicU64::new(0),
             strategy: AtomicU64::new(Strategy::default().encode()),
             memo: Default::default(),
         }
@@ -258,9 +270,49 @@ impl ModelIndex {
         (max_blocks.max(1) as usize).div_ceil(SHARDS)
     }
 
+    /// The model's cap from the policy; the index holds the smaller of it and its share.
     pub fn set_max_blocks(&self, max_blocks: u64) {
+        self.configured.store(max_blocks, Ordering::Relaxed);
+        self.settle_cap();
+    }
+
+    /// This index's share of the budget of all models' indexes ([`Indexes::set_budget`]).
+    fn set_share(&self, share: u64) {
+        self.share.store(share, Ordering::Relaxed);
+        self.settle_cap();
+    }
+
+    fn settle_cap(&self) {
         self.shard_cap
-            .store(Self::per_shard(max_blocks), Ordering::Relaxed);
+            .store(Self::per_shard(self.max_blocks()), Ordering::Relaxed);
+    }
+
+    /// Entries this index may hold now.
+    pub fn max_blocks(&self) -> u64 {
+        let c = self.configured.load(Ordering::Relaxed);
+        c.min(self.share.load(Ordering::Relaxed))
+    }
+
+    /// Evict every shard down to its cap (after the cap shrank: a new model took its
+    /// share of the budget, or the policy lowered it); an insert evicts only its own
+    /// shard. One shard lock at a time. Returns the entries evicted.
+    pub fn trim(&self) -> u64 {
+        let cap = self.shard_cap.load(Ordering::Relaxed);
+        let mut n = 0;
+        for sh in self.shards.iter() {
+            if sh.0.read().len() <= cap {
+                continue;
+            }
+            let mut g = sh.0.write();
+            n += g.evict_to(cap, |holders| {
+                for s in holders.iter() {
+                    self.pods[s as usize].blocks.fetch_sub(1, Ordering::Relaxed);
+                }
+            });
+            g.shrink_to(cap);
+        }
+        self.evicted.fetch_add(n, Ordering::Relaxed);
+        n
     }
 
     pub fn set_strategy(&self, s: Strategy) {
@@ -307,17 +359,73 @@ impl ModelIndex {
             }
         }
         s.evicted = self.evicted.load(Ordering::Relaxed);
+        s.over_share = self.over_share.load(Ordering::Relaxed);
+        s.max_blocks = self.max_blocks();
         s
     }
 }
 
-/// Indexes of all models, created on first use.
-#[derive(Default)]
+/// Heap bytes an index entry is allowed at its cap, for turning a budget in bytes into
+/// entries: the table's 17-byte slot at its lowest load after growing (~2x), the CLOCK
+/// ring's 8 bytes with its slack, the holders slab and tier exceptions; `fill_to_budget`
+/// (index/tests.rs) checks a full index's heap against it.
+pub const BUDGET_BYTES_PER_ENTRY: u64 = 64;
+
+/// Indexes of all models, created on first use, within one budget of entries: each
+/// model holds at most the budget / the models indexed (and its own configured cap), so
+/// many models under their caps cannot add up past it.
 pub struct Indexes {
     by_model: RwLock<HashMap<String, Arc<ModelIndex>>>,
+    budget: AtomicU64,
+}
+
+impl Default for Indexes {
+    fn default() -> Indexes {
+        Indexes {
+            by_model: RwLock::default(),
+            budget: AtomicU64::new(u64::MAX),
+        }
+    }
 }
 
 impl Indexes {
+    /// The entries all models together may hold (`--max-index-mb`).
+    pub fn set_budget(&self, entries: u64) {
+        self.budget.store(entries.max(1), Ordering::Relaxed);
+        self.rebalance(&self.by_model.read());
+    }
+
+    pub fn budget(&self) -> u64 {
+        self.budget.load(Ordering::Relaxed)
+    }
+
+    fn rebalance(&self, m: &HashMap<String, Arc<ModelIndex>>) {
+        let share = self.budget() / (m.len().max(1) as u64);
+        for ix in m.values() {
+            ix.set_share(share);
+        }
+    }
+
+    /// Evict every model down to its cap (the cleaner's tick). Returns the entries evicted.
+    pub fn trim(&self) -> u64 {
+        self.all().iter().map(|(_, ix)| ix.trim()).sum()
+    }
+
+    fn create(
+        &self,
+        m: &mut HashMap<String, Arc<ModelIndex>>,
+        model: &str,
+        max_blocks: u64,
+    ) -> Arc<ModelIndex> {
+        if let Some(i) = m.get(model) {
+            return i.clone();
+        }
+        let ix = Arc::new(ModelIndex::new(max_blocks));
+        m.insert(model.to_string(), ix.clone());
+        self.rebalance(m);
+        ix
+    }
+
     pub fn get(&self, model: &str) -> Option<Arc<ModelIndex>> {
         self.by_model.read().get(model).cloned()
     }
@@ -326,11 +434,7 @@ impl Indexes {
         if let Some(i) = self.get(model) {
             return i;
         }
-        self.by_model
-            .write()
-            .entry(model.to_string())
-            .or_insert_with(|| Arc::new(ModelIndex::new(max_blocks)))
-            .clone()
+        self.create(&mut self.by_model.write(), model, max_blocks)
     }
 
     /// [`Indexes::get_or_create`], unless that would make more than `max_models`.
@@ -347,11 +451,7 @@ impl Indexes {
         if !m.contains_key(model) && m.len() >= max_models {
             return None;
         }
-        Some(
-            m.entry(model.to_string())
-                .or_insert_with(|| Arc::new(ModelIndex::new(max_blocks)))
-                .clone(),
-        )
+        Some(self.create(&mut m, model, max_blocks))
     }
 
     pub fn all(&self) -> Vec<(String, Arc<ModelIndex>)> {

@@ -361,6 +361,31 @@ impl Shard {
         evicted
     }
 
+    /// Evict one entry held by `slot` alone, among the `scan` oldest of the ring (a pod
+    /// over its share replaces its own blocks, not others'). The evicted key, if one went.
+    pub fn evict_own(&mut self, slot: u8, scan: usize) -> Option<u64> {
+        let found = self.ring.iter().take(scan).position(|&k| {
+            self.map
+                .get(k)
+                .map(Holders)
+                .is_some_and(|h| !h.is_wide() && h.count() == 1 && h.inline_slot(0) == slot)
+        });
+        let key = self.ring.remove(found?)?;
+        self.map.remove(key);
+        Some(key)
+    }
+
+    /// Give back memory beyond what `cap` entries need: the table's slots and the ring's
+    /// stale keys and slack.
+    pub fn shrink_to(&mut self, cap: usize) {
+        self.map.shrink_for(cap);
+        let map = &self.map;
+        let mut seen = std::collections::HashSet::with_capacity(map.len());
+        self.ring
+            .retain(|k| map.get(*k).is_some() && seen.insert(*k));
+        self.ring.shrink_to_fit();
+    }
+
     /// Heap bytes this shard holds (table, slab, ring).
     pub fn heap_bytes(&self) -> usize {
         self.map.capacity() * super::table::SLOT_BYTES

@@ -215,6 +215,17 @@ impl Table {
         self.tags[hole] = 0;
     }
 
+    /// Give back capacity beyond what `n` entries need (after a trim to a lower cap).
+    pub fn shrink_for(&mut self, n: usize) {
+        let mut want = MIN_CAP;
+        while (n.max(self.len) + 1) * 4 > want * 3 {
+            want *= 2;
+        }
+        if want < self.slots.len() {
+            self.resize(want);
+        }
+    }
+
     fn maybe_shrink(&mut self) {
         if self.slots.len() > MIN_CAP && self.len * 8 < self.slots.len() {
             self.resize((self.slots.len() / 2).max(MIN_CAP));

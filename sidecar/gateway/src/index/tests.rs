@@ -259,3 +259,88 @@ fn a_repeat_lookup_takes_one_round() {
     assert_eq!(depths(&ix), vec![128, 90]);
     assert_eq!(depths(&ix), vec![128, 90]);
 }
+
+/// Random block hashes (an attacker's "new" blocks need no chain).
+fn hashes(seed: u64, n: usize) -> Vec<u64> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        })
+        .collect()
+}
+
+/// Many models under their own caps used to add up without bound. One budget: every
+/// model filled far past it, the entries and the heap stay within it.
+#[test]
+fn fill_to_budget() {
+    let budget_bytes: u64 = 48 << 20;
+    let ixs = Indexes::default();
+    ixs.set_budget(budget_bytes / BUDGET_BYTES_PER_ENTRY);
+    let models = ["a", "b", "c", "d"];
+    for (m, name) in models.iter().enumerate() {
+        let ix = ixs.get_or_create(name, 4 << 20);
+        for p in 0..4u64 {
+            let h = ix.join(&format!("10.0.0.{p}:8000")).expect("join");
+            ix.store(h, Tier::Gpu, &hashes(m as u64 * 16 + p + 1, 400_000))
+                .expect("store");
+        }
+    }
+    // Earlier models filled before later ones took their share: the cleaner's trim.
+    ixs.trim();
+    let (mut entries, mut heap) = (0, 0);
+    for (_, ix) in ixs.all() {
+        let st = ix.stats();
+        assert_eq!(st.max_blocks, ixs.budget() / models.len() as u64);
+        assert!(st.entries <= st.max_blocks + SHARDS as u64, "{st:?}");
+        entries += st.entries;
+        heap += st.heap_bytes;
+    }
+    assert!(entries <= ixs.budget() + (models.len() * SHARDS) as u64);
+    assert!(
+        heap <= budget_bytes,
+        "heap {heap} bytes for {entries} entries, budget {budget_bytes}"
+    );
+}
+
+/// One pod storing millions of new blocks used to evict every other pod's blocks of its
+/// model. Past its share (and a quarter) it replaces its own, or its new blocks are not
+/// indexed: the others keep theirs.
+#[test]
+fn a_pod_over_its_share_evicts_its_own_blocks_first() {
+    let cap = 256 * 1024;
+    let ix = ModelIndex::new(cap);
+    let pods: Vec<_> = (0..4)
+        .map(|p| ix.join(&format!("10.0.0.{p}:8000")).expect("join"))
+        .collect();
+    let honest: Vec<Vec<u64>> = (0..3).map(|p| hashes(p + 1, cap as usize / 5)).collect();
+    for (p, blocks) in honest.iter().enumerate() {
+        ix.store(pods[p], Tier::Gpu, blocks).expect("store");
+    }
+    let flood = hashes(99, 4 * cap as usize);
+    ix.store(pods[3], Tier::Gpu, &flood).expect("store");
+    // Caps are per shard: a shard the honest pods filled before the flooder passed its
+    // share may evict a few of theirs (2 of 52,428 here; before, half of them went).
+    for (p, blocks) in honest.iter().enumerate() {
+        let kept = ix.pod_blocks(pods[p]);
+        assert!(
+            kept * 1000 >= blocks.len() as u64 * 999,
+            "pod {p} kept {kept} of {}",
+            blocks.len()
+        );
+    }
+    let st = ix.stats();
+    assert!(st.entries <= cap + SHARDS as u64, "{st:?}");
+    // It took the room that was free, then only replaced its own.
+    let honest_total: u64 = honest.iter().map(|b| b.len() as u64).sum();
+    assert!(ix.pod_blocks(pods[3]) <= cap - honest_total + SHARDS as u64);
+    assert!(st.over_share > 0, "{st:?}");
+    // The honest pods' chains still route to them.
+    assert_eq!(
+        depths(&ix, &honest[0][..1]),
+        vec![("10.0.0.0:8000".into(), 1)]
+    );
+}

@@ -9,6 +9,8 @@ use super::*;
 
 /// How many keys ahead the write path prefetches.
 const PREFETCH_AHEAD: usize = 6;
+/// Ring positions a pod over its share searches for one of its own blocks to replace.
+const OWN_SCAN: usize = 32;
 
 impl ModelIndex {
     /// Blocks now held on `tier`. Idempotent.
@@ -85,15 +87,23 @@ impl ModelIndex {
                 }
                 let mut shard = self.shard(key).write();
                 match op(&mut shard, &mut tiers, key, h.slot) {
+                    Change::Added if shard.len() > cap && self.over_share(pd, added + 1, cap) => {
+                        // Over its share of a full index: the pod replaces one of its own
+                        // blocks, or its new block is not indexed; others' blocks stay.
+                        if let Some(old) = shard.evict_own(h.slot, OWN_SCAN) {
+                            tiers.forget(old);
+                            self.evicted.fetch_add(1, Ordering::Relaxed);
+                        } else {
+                            shard.remove(key, h.slot);
+                            tiers.forget(key);
+                            self.over_share.fetch_add(1, Ordering::Relaxed);
+                            out.unchanged += 1;
+                        }
+                    }
                     Change::Added => {
                         added += 1;
                         if shard.len() > cap {
-                            let n = shard.evict_to(cap, |holders| {
-                                for s in holders.iter() {
-                                    self.pods[s as usize].blocks.fetch_sub(1, Ordering::Relaxed);
-                                }
-                            });
-                            self.evicted.fetch_add(n, Ordering::Relaxed);
+                            self.evict_clock(&mut shard, cap);
                         }
                     }
                     Change::Removed => removed += 1,
@@ -108,6 +118,25 @@ impl ModelIndex {
             }
         }
         Ok(out)
+    }
+
+    /// CLOCK over the whole shard down to `cap`, fixing the evicted holders' counts.
+    fn evict_clock(&self, shard: &mut Shard, cap: usize) {
+        let n = shard.evict_to(cap, |holders| {
+            for s in holders.iter() {
+                self.pods[s as usize].blocks.fetch_sub(1, Ordering::Relaxed);
+            }
+        });
+        self.evicted.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Whether a pod holding `pd.blocks + pending` entries is past its fair share of the
+    /// index (the cap over the live pods) with a quarter's slack, so pods of equal
+    /// caches evict by CLOCK among themselves as before.
+    fn over_share(&self, pd: &PodData, pending: u64, shard_cap: usize) -> bool {
+        let live = u64::from(self.alive.snapshot().count().max(1));
+        let share = (shard_cap as u64 * SHARDS as u64) / live;
+        pd.blocks.load(Ordering::Relaxed) + pending > share + share / 4
     }
 
     // ---- lookups ----------------------------------------------------------------------

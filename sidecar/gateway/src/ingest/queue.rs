@@ -23,9 +23,9 @@ use crate::state::Sidecar;
 /// Batches one pod may have waiting.
 pub const POD_BATCHES: usize = 256;
 /// Bytes (as received) one pod may have waiting.
-pub const POD_BYTES: usize = 32 << 20;
+pub const POD_BYTES: usize = 8 << 20;
 /// Bytes waiting in all.
-pub const TOTAL_BYTES: usize = 256 << 20;
+pub const TOTAL_BYTES: usize = 64 << 20;
 
 #[derive(Default)]
 pub struct IngestQueue {

@@ -8,11 +8,12 @@
 //! events. The cleaner does not fetch: [`fetch_dumps`] is its own task.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvroute_service::Shutdown;
-use kvroute_shared::protocol::EventBatch;
+use kvroute_shared::protocol::{Event, EventBatch};
 use parking_lot::Mutex;
 use tokio::sync::mpsc;
 
@@ -26,9 +27,13 @@ use crate::state::Sidecar;
 /// by the pods that fell behind at once; beyond it they are dropped and counted, and the
 /// pod's next gap asks again).
 pub const RESYNC_QUEUE: usize = 1024;
-/// Batches kept for one pending resync; past this the resync ends without replay (and
-/// the pod stays stale until its next gap is repaired).
-pub const MAX_REPLAY: usize = 4096;
+/// Bytes of block lists one pending resync keeps for its replay (only stored, removed
+/// and cleared events, without token ids); past this the resync ends without replay
+/// (and the pod stays stale until its next gap is repaired).
+pub const MAX_REPLAY_BYTES: usize = 8 << 20;
+/// Bytes of block lists every pending resync keeps together: a pod whose dump never
+/// answers cannot grow the sidecar past this, however many pods do it at once.
+pub const MAX_REPLAY_TOTAL_BYTES: usize = 64 << 20;
 /// The largest dump body the sidecar reads (a pod's whole cache as JSON: ~20 bytes a
 /// block, so ~3M blocks).
 pub const MAX_DUMP_BYTES: usize = 64 << 20;
@@ -50,6 +55,8 @@ pub struct Recovery {
     queue: mpsc::Sender<ResyncJob>,
     /// Pods with a resync queued or running: at most one job per pod.
     busy: Mutex<HashSet<Arc<str>>>,
+    /// Bytes every stream's replay holds (bounded by [`MAX_REPLAY_TOTAL_BYTES`]).
+    replay_bytes: Arc<AtomicUsize>,
 }
 
 /// What the lock of one pod's stream guards besides the order of its batches.
@@ -58,7 +65,91 @@ pub struct Stream {
     /// While a resync is pending: every batch applied since the gap, so that the dump
     /// (a snapshot at its own seq) can be completed with the batches that came after it
     /// instead of erasing them. `None` when no resync is pending.
-    replay: Option<Vec<EventBatch>>,
+    replay: Option<Replay>,
+}
+
+/// The block events of the batches applied since a gap, and the bytes they hold, given
+/// back to the total when the replay ends (however its stream goes).
+struct Replay {
+    batches: Vec<EventBatch>,
+    bytes: usize,
+    total: Arc<AtomicUsize>,
+}
+
+impl Drop for Replay {
+    fn drop(&mut self) {
+        self.total.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
+impl Stream {
+    /// End the pending replay (if any); its batches.
+    fn end_replay(&mut self) -> Vec<EventBatch> {
+        self.replay
+            .take()
+            .map(|mut r| std::mem::take(&mut r.batches))
+            .unwrap_or_default()
+    }
+
+    /// Keep `b`'s block events for the pending replay; false if that would pass the
+    /// per-pod or the total bound.
+    fn record(&mut self, rec: &Recovery, b: &EventBatch) -> bool {
+        let Some(r) = &mut self.replay else {
+            return true;
+        };
+        let events: Vec<Event> = b
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Stored {
+                    tier,
+                    parent,
+                    blocks,
+                    ..
+                } => Some(Event::Stored {
+                    tier: *tier,
+                    parent: *parent,
+                    blocks: blocks.clone(),
+                    tokens: None,
+                }),
+                Event::Removed { .. } | Event::Cleared => Some(e.clone()),
+                Event::Shutdown | Event::Load { .. } => None,
+            })
+            .collect();
+        let bytes = std::mem::size_of::<EventBatch>()
+            + b.pod.len()
+            + b.model.len()
+            + b.epoch.len()
+            + events
+                .iter()
+                .map(|e| {
+                    std::mem::size_of::<Event>()
+                        + match e {
+                            Event::Stored { blocks, .. } | Event::Removed { blocks, .. } => {
+                                blocks.len() * 8
+                            }
+                            _ => 0,
+                        }
+                })
+                .sum::<usize>();
+        let total = rec.replay_bytes.fetch_add(bytes, Ordering::AcqRel) + bytes;
+        if r.bytes + bytes > MAX_REPLAY_BYTES || total > MAX_REPLAY_TOTAL_BYTES {
+            rec.replay_bytes.fetch_sub(bytes, Ordering::AcqRel);
+            return false;
+        }
+        r.bytes += bytes;
+        r.batches.push(EventBatch {
+            v: b.v,
+            pod: b.pod.clone(),
+            model: b.model.clone(),
+            epoch: b.epoch.clone(),
+            seq: b.seq,
+            ts: None,
+            dump_url: None,
+            events,
+        });
+        true
+    }
 }
 
 impl Default for Recovery {
@@ -77,6 +168,7 @@ impl Recovery {
             streams: Mutex::default(),
             queue,
             busy: Mutex::default(),
+            replay_bytes: Arc::default(),
         };
         (r, jobs)
     }
@@ -120,6 +212,11 @@ impl Recovery {
         self.streams.lock().len()
     }
 
+    /// Bytes the pending resyncs' replays hold.
+    pub fn replay_bytes(&self) -> usize {
+        self.replay_bytes.load(Ordering::Acquire)
+    }
+
     /// The resync of `pod` is over (applied, failed or dropped).
     pub fn resync_done(&self, pod: &str) {
         self.busy.lock().remove(pod);
@@ -148,10 +245,14 @@ pub(super) fn plan(
         handle = reset_pod(sc, index, &b.pod, &b.model, "sequence gap, no dump url")?;
     }
     if adv.restarted || adv.gap == Some(Gap::Drop) {
-        stream.replay = None;
+        stream.end_replay();
     }
     if let Some(Gap::Resync(url)) = &adv.gap {
-        stream.replay.get_or_insert_with(Vec::new);
+        stream.replay.get_or_insert_with(|| Replay {
+            batches: Vec::new(),
+            bytes: 0,
+            total: rec.replay_bytes.clone(),
+        });
         rec.queue_resync(
             sc,
             ResyncJob {
@@ -161,13 +262,9 @@ pub(super) fn plan(
             },
         );
     }
-    if let Some(r) = &mut stream.replay {
-        if r.len() < MAX_REPLAY {
-            r.push(b.clone());
-        } else {
-            sc.metrics.resyncs.inc("replay_overflow", 1);
-            stream.replay = None;
-        }
+    if !stream.record(rec, b) {
+        sc.metrics.resyncs.inc("replay_overflow", 1);
+        stream.end_replay();
     }
     Ok(handle)
 }
@@ -182,7 +279,7 @@ pub fn apply_dump(
 ) -> Result<u64, IngestError> {
     let lock = rec.stream(pod);
     let mut stream = lock.lock();
-    let replay = stream.replay.take();
+    let replay = stream.end_replay();
     // A pod removed (or moved to another model) while its dump was on the way stays
     // removed: the dump must not give it a slot again.
     if sc.registry().model_of(pod).as_deref() != Some(dump.model.as_str()) {
@@ -199,7 +296,7 @@ pub fn apply_dump(
     // gap that came after it are applied again on top, in order, so nothing they stored
     // or removed is lost to the reset.
     let mut replayed = 0;
-    for b in replay.iter().flatten() {
+    for b in &replay {
         if b.epoch != dump.epoch || b.seq <= dump.seq {
             continue;
         }
@@ -219,7 +316,7 @@ pub fn apply_dump(
 pub fn drop_blocks(sc: &Sidecar, rec: &Recovery, pod: &str, model: &str) {
     let lock = rec.stream(pod);
     let mut stream = lock.lock();
-    stream.replay = None;
+    stream.end_replay();
     if let Some(ix) = sc.indexes.get(model) {
         if ix.handle(pod).is_some() {
             // With no slot free the pod stays out of the index until one frees: dropped

@@ -460,3 +460,57 @@ fn a_late_batch_cannot_bring_back_a_removed_block() {
     let next = ingest(&sc, &rec, &batch(pod, "m", "e", 3, vec![stored(&[9])])).expect("3");
     assert!(!next.gap && next.blocks_changed == 1);
 }
+
+/// A pod pointing its dump at a server that never answers kept every batch since its
+/// gap (load events and token ids included, bounded by count only): hundreds of MiB per
+/// pod, again after every fetch timeout. A replay keeps block lists only, bounded in
+/// bytes per pod and in total.
+#[test]
+fn replay_buffers_are_bounded_in_bytes() {
+    use super::recovery::{MAX_REPLAY_BYTES, MAX_REPLAY_TOTAL_BYTES};
+    let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+    let (locks, _resyncs) = Recovery::new();
+    let pods: Vec<String> = (0..12).map(|p| format!("10.0.0.{p}:8000")).collect();
+    for p in &pods {
+        let mut first = batch(p, "m", "e", 0, vec![stored(&[1])]);
+        first.dump_url = Some(format!("http://{}/dump", p));
+        ingest(&sc, &locks, &first).expect("first");
+        // Seq 1 is lost: a resync is pending, and nobody ever answers it.
+        ingest(&sc, &locks, &batch(p, "m", "e", 2, vec![stored(&[2])])).expect("gap");
+    }
+    // Each pod then sends 2 MiB of blocks per batch, with token ids and load events.
+    let blocks: Vec<u64> = (1..=(256 << 10)).collect();
+    let big = || {
+        let mut ev = vec![Event::Stored {
+            tier: Default::default(),
+            parent: None,
+            blocks: blocks.clone(),
+            tokens: Some(vec![7; 1 << 20]),
+        }];
+        ev.extend((0..1000).map(|_| Event::Load {
+            running: 1,
+            waiting: 0,
+            kv_usage: 0.5,
+            capacity_blocks: None,
+        }));
+        ev
+    };
+    let mut peak = 0;
+    for seq in 3..16 {
+        for p in &pods {
+            ingest(&sc, &locks, &batch(p, "m", "e", seq, big())).expect("batch");
+            peak = peak.max(locks.replay_bytes());
+        }
+    }
+    assert!(peak <= MAX_REPLAY_TOTAL_BYTES, "{peak}");
+    assert!(
+        peak > MAX_REPLAY_BYTES,
+        "several pods replay at once: {peak}"
+    );
+    assert_eq!(
+        locks.replay_bytes(),
+        0,
+        "every overflowed replay gave its bytes back"
+    );
+    assert!(sc.metrics.resyncs.get("replay_overflow") >= pods.len() as u64);
+}
