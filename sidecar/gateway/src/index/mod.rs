@@ -312,7 +312,21 @@ impl ModelIndex {
             g.shrink_to(cap);
         }
         self.evicted.fetch_add(n, Ordering::Relaxed);
+        self.prune_tiers();
         n
+    }
+
+    /// Drop tier exceptions of blocks that left the index by eviction (an eviction holds
+    /// one shard lock and may not take the holders' writer locks, which come first).
+    /// O(tier exceptions): most blocks are on the GPU and have none.
+    fn prune_tiers(&self) {
+        for (slot, pd) in self.pods.iter().enumerate() {
+            let mut tiers = pd.writer.lock();
+            if tiers.is_empty() {
+                continue;
+            }
+            tiers.retain(|key| self.shard(key).read().get(key).contains(slot as u8));
+        }
     }
 
     pub fn set_strategy(&self, s: Strategy) {

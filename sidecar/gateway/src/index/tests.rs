@@ -344,3 +344,23 @@ fn a_pod_over_its_share_evicts_its_own_blocks_first() {
         vec![("10.0.0.0:8000".into(), 1)]
     );
 }
+
+/// Tier exceptions of blocks CLOCK evicted used to stay in their pod's map for good; the
+/// cleaner's trim drops them.
+#[test]
+fn trimming_drops_the_tiers_of_evicted_blocks() {
+    let ix = ModelIndex::new(64 * 1024);
+    let a = ix.join("10.0.0.1:8000").expect("a");
+    let b = ix.join("10.0.0.2:8000").expect("b");
+    ix.store(a, Tier::Cpu, &hashes(1, 40_000)).expect("a");
+    ix.store(b, Tier::Gpu, &hashes(2, 40_000)).expect("b");
+    assert!(ix.stats().evicted > 0, "the cap evicted some of a's blocks");
+    ix.trim();
+    let held = ix.pod_blocks(a);
+    assert!(held < 40_000);
+    assert_eq!(
+        u64::from(ix.tier_counts(a).cpu),
+        held,
+        "one exception per block still held"
+    );
+}

@@ -70,6 +70,14 @@ impl Tiers {
     }
 
     #[inline]
+    /// Keep only the exceptions of keys `held` says the pod still holds.
+    pub fn retain(&mut self, mut held: impl FnMut(u64) -> bool) {
+        self.map.retain(|k, _| held(*k));
+        if self.map.capacity() > 2 * self.map.len() + 64 {
+            self.map.shrink_to_fit();
+        }
+    }
+
     pub fn forget(&mut self, key: u64) {
         if !self.map.is_empty() {
             self.map.remove(&key);
