@@ -42,7 +42,7 @@ pub struct Api {
 }
 
 /// Route calls whose body is over [`LARGE_ROUTE_BYTES`] (a chat sent for the sidecar to
-/// tokenize) are decoded and routed on the blocking pool, at most one per core at a time:
+/// tokenize) are decoded and routed on the blocking pool, a bounded number at a time:
 /// decoding megabytes on the async workers would hold up every small route behind them,
 /// and an unbounded number of them on the blocking pool would take every core. A call
 /// that waits past its deadline is answered `deadline` without any work.
