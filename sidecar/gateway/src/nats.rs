@@ -163,8 +163,11 @@ async fn consume(
                     }
                     // Applied by the workers, in the pod's turn (ingest/queue.rs).
                     Ok(batch) => {
+                        let pod = batch.pod.clone();
                         if queue.submit(batch, msg.payload.len()).is_err() {
+                            // Routed around, not silently kept: the next batch is a gap.
                             sc.metrics.events_rejected.inc("queue_full", 1);
+                            sc.registry().mark_stale(&pod);
                         }
                     }
                     Err(e) => {

@@ -514,3 +514,23 @@ fn replay_buffers_are_bounded_in_bytes() {
     );
     assert!(sc.metrics.resyncs.get("replay_overflow") >= pods.len() as u64);
 }
+
+/// A batch lost to a full ingest queue leaves its pod stale (its hits discounted) until
+/// the gap its next batch shows is repaired, never silently kept as if current.
+#[test]
+fn a_pod_whose_batch_was_dropped_is_stale_until_repaired() {
+    let (sc, _ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
+    let locks = Recovery::default();
+    let pod = "10.0.0.7:8000";
+    ingest(&sc, &locks, &batch(pod, "m", "e", 0, vec![stored(&[1, 2])])).expect("0");
+    // Seq 1 was dropped by the NATS consumer (queue full).
+    sc.registry().mark_stale(pod);
+    assert_eq!(sc.registry().counts(std::time::Instant::now()).0, 1);
+    let next = ingest(&sc, &locks, &batch(pod, "m", "e", 2, vec![stored(&[3])])).expect("2");
+    assert!(next.gap, "the lost batch shows as a gap");
+    assert_eq!(
+        sc.registry().counts(std::time::Instant::now()).0,
+        0,
+        "rebuilt"
+    );
+}

@@ -326,7 +326,11 @@ impl Registry {
                     pod.stale = true;
                     Gap::Resync(url)
                 }
-                None => Gap::Drop,
+                None => {
+                    // Its blocks are dropped and rebuilt from this batch on.
+                    pod.stale = false;
+                    Gap::Drop
+                }
             });
         }
         Ok(out)
@@ -381,6 +385,15 @@ impl Registry {
                 p.window.covered_through(seq);
                 p.window.rebuilt();
             }
+        }
+    }
+
+    /// One of the pod's batches was lost before it reached the index (its ingest queue was
+    /// full): its blocks are discounted as stale until its next gap is repaired, which
+    /// its next applied batch starts.
+    pub fn mark_stale(&self, pod: &str) {
+        if let Some(p) = self.inner.lock().pods.get_mut(pod) {
+            p.stale = true;
         }
     }
 
