@@ -341,17 +341,8 @@ async fn memory_stays_within_its_stated_bound() {
         SidecarProc::start(&["--max-index-mb", &MAX_INDEX_MB.to_string()], false).expect("sidecar");
     let api = Api::new(sc.addr);
     let rss0 = kvroute_tests::procs::status_kib(sc.pid(), "VmRSS:");
-    let mut x: u64 = 0x2545_F491_4F6C_DD1D;
-    let mut blocks = |n: usize| -> Vec<u64> {
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x
-            })
-            .collect()
-    };
+    let mut rng = kvroute_tests::bench::Rng(0x2545_F491_4F6C_DD1D);
+    let mut blocks = |n: usize| -> Vec<u64> { (0..n).map(|_| rng.next_u64()).collect() };
     // Confirmed: 4 models x 4 pods x 16 batches of 16k new blocks = 4M blocks, 16 times
     // what 12 MiB of index holds.
     for m in 0..4 {

@@ -415,17 +415,9 @@ struct TokenizeBody {
 /// inspector chains these ids in the browser, and operators compare them with the
 /// engine's. Guarded like every POST.
 async fn tokenize_h(State(api): State<Api>, body: Bytes) -> Response {
-    // The same budget as routes: checked before the body is even parsed.
-    match api.sc.tokenize_budget.take(body.len()) {
-        Ok(p) => drop(p),
-        Err(r) => {
-            api.sc.metrics.precise.inc(r.reason(), 1);
-            let status = match r {
-                crate::tokenize::Refused::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-                crate::tokenize::Refused::Busy => StatusCode::SERVICE_UNAVAILABLE,
-            };
-            return err(status, r.reason(), format!("not tokenized: {}", r.reason()));
-        }
+    // The same budget as routes; a body too large for it is refused before it is parsed.
+    if body.len() > api.sc.tokenize_budget.max_fields() {
+        return not_tokenized(&api.sc, crate::tokenize::Refused::TooLarge);
     }
     let b: TokenizeBody = match parse(&body, "tokenize request") {
         Ok(b) => b,
@@ -461,13 +453,19 @@ async fn tokenize_h(State(api): State<Api>, body: Bytes) -> Response {
     match r {
         Ok(Ok(Ok(ids))) => Json(json!({"model": model, "tokens": ids})).into_response(),
         Ok(Ok(Err(e))) => err(StatusCode::UNPROCESSABLE_ENTITY, e.reason(), e),
-        Ok(Err(r)) => err(
-            StatusCode::SERVICE_UNAVAILABLE,
-            r.reason(),
-            "not tokenized: busy",
-        ),
+        Ok(Err(r)) => not_tokenized(&api.sc, r),
         Err(e) => err(StatusCode::INTERNAL_SERVER_ERROR, "internal", e),
     }
+}
+
+/// `/v1/tokenize` refused by the budget: 413 or 503, counted as routes' refusals are.
+fn not_tokenized(sc: &Sidecar, r: crate::tokenize::Refused) -> Response {
+    sc.metrics.precise.inc(r.reason(), 1);
+    let status = match r {
+        crate::tokenize::Refused::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+        crate::tokenize::Refused::Busy => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    err(status, r.reason(), format!("not tokenized: {}", r.reason()))
 }
 
 /// Everything the status page shows (guarded like lookups: it reveals cache state).

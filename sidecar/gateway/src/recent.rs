@@ -49,8 +49,9 @@ pub struct DecisionRecord {
 }
 
 impl DecisionRecord {
-    /// Heap and inline bytes, as the ring accounts them.
-    fn bytes(&self) -> usize {
+    /// Heap and inline bytes, as the ring accounts them, given the explain breakdown's
+    /// serialized length (its tree takes about twice that).
+    fn bytes(&self, explain_len: usize) -> usize {
         let opt = |s: &Option<String>| s.as_ref().map_or(0, String::len);
         std::mem::size_of::<Self>()
             + opt(&self.decision)
@@ -63,7 +64,7 @@ impl DecisionRecord {
                 .iter()
                 .map(|c| std::mem::size_of::<Candidate>() + c.pod.len())
                 .sum::<usize>()
-            + self.explain.as_ref().map_or(0, |e| e.to_string().len() * 2)
+            + explain_len * 2
     }
 }
 
@@ -92,7 +93,7 @@ impl Recent {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
-        let rec = DecisionRecord {
+        let mut rec = DecisionRecord {
             at_ms,
             decision: resp.decision.clone(),
             request_id: req.request_id.as_deref().map(|r| cut(r, REQUEST_ID_BYTES)),
@@ -112,12 +113,18 @@ impl Recent {
                     cost: r.score,
                 })
                 .collect(),
-            explain: resp
-                .explain
-                .clone()
-                .filter(|e| e.to_string().len() <= EXPLAIN_BYTES),
+            explain: None,
         };
-        let bytes = rec.bytes();
+        // Serialized once: for its bound and for the ring's accounting.
+        let explain_len = resp.explain.as_ref().map_or(0, |e| e.to_string().len());
+        if explain_len <= EXPLAIN_BYTES {
+            rec.explain = resp.explain.clone();
+        }
+        let bytes = rec.bytes(if rec.explain.is_some() {
+            explain_len
+        } else {
+            0
+        });
         let mut ring = self.ring.lock();
         while ring.records.len() >= RECENT
             || (ring.bytes + bytes > RECENT_BYTES && !ring.records.is_empty())

@@ -49,8 +49,10 @@ pub fn snapshot(sc: &Sidecar) -> Value {
     let pods_json: Vec<Value> = pods.iter().map(|p| pod(sc, p, now)).collect();
 
     let mut models: BTreeMap<String, Value> = BTreeMap::new();
+    let mut index_bytes = sc.predicted.indexes.heap_bytes();
     for (m, ix) in sc.indexes.all() {
         let s = ix.stats();
+        index_bytes += s.heap_bytes;
         models.insert(
             m.clone(),
             json!({"model": m, "index_entries": s.entries, "index_bytes": s.heap_bytes,
@@ -107,8 +109,7 @@ pub fn snapshot(sc: &Sidecar) -> Value {
         },
         "memory": {
             "max_index_bytes": sc.index_budget(),
-            "index_bytes": sc.indexes.all().iter().map(|(_, ix)| ix.stats().heap_bytes).sum::<u64>()
-                + sc.predicted.indexes.all().iter().map(|(_, ix)| ix.stats().heap_bytes).sum::<u64>(),
+            "index_bytes": index_bytes,
             "tokenize_budget_bytes": sc.tokenize_budget.cap(),
         },
         "agreement": sc.agreement.snapshot(),

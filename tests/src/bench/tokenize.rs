@@ -280,8 +280,8 @@ pub fn run(o: &Opts) -> anyhow::Result<Value> {
 /// the model's tokenizer and no segment cache (an attacker's chats are all new text; the
 /// cache is bounded on its own, above), takes 64 concurrent HTTP clients each sending
 /// chats of the largest tokenized size for 3 s, beside one client of small token routes
-/// — once with the default budget, once with the budget the one-per-core limiter gave a
-/// 16-core node (16 x 2 MiB in flight). Printed: the process's RSS growth to its peak
+/// — with the one-per-core limiter's settings on a 16-core node (16 x 2 MiB in flight),
+/// the default budget on that node, and the defaults on this one. Printed: the process's RSS growth to its peak
 /// (VmHWM), how many chats were tokenized or routed by text, and the small routes'
 /// latency against the filter's 25 ms timeout.
 fn flood(

@@ -420,6 +420,11 @@ impl Indexes {
         }
     }
 
+    /// Heap bytes every model's index holds.
+    pub fn heap_bytes(&self) -> u64 {
+        self.all().iter().map(|(_, ix)| ix.stats().heap_bytes).sum()
+    }
+
     /// Evict every model down to its cap (the cleaner's tick). Returns the entries evicted.
     pub fn trim(&self) -> u64 {
         self.all().iter().map(|(_, ix)| ix.trim()).sum()

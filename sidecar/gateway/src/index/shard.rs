@@ -218,11 +218,16 @@ impl Shard {
         // Deleted keys stay in the ring until eviction passes them; rebuild when they
         // dominate so the ring stays O(entries).
         if self.ring.len() > 64 && self.ring.len() > 2 * self.map.len() {
-            let map = &self.map;
-            let mut seen = std::collections::HashSet::with_capacity(map.len());
-            self.ring
-                .retain(|k| map.get(*k).is_some() && seen.insert(*k));
+            self.compact_ring();
         }
+    }
+
+    /// Keep each live key once in the ring, in order.
+    fn compact_ring(&mut self) {
+        let map = &self.map;
+        let mut seen = std::collections::HashSet::with_capacity(map.len());
+        self.ring
+            .retain(|k| map.get(*k).is_some() && seen.insert(*k));
     }
 
     #[cfg(test)]
@@ -379,10 +384,7 @@ impl Shard {
     /// stale keys and slack.
     pub fn shrink_to(&mut self, cap: usize) {
         self.map.shrink_for(cap);
-        let map = &self.map;
-        let mut seen = std::collections::HashSet::with_capacity(map.len());
-        self.ring
-            .retain(|k| map.get(*k).is_some() && seen.insert(*k));
+        self.compact_ring();
         self.ring.shrink_to_fit();
     }
 
