@@ -56,8 +56,14 @@ pub struct FilterConfig {
     pub steer_header: String,
     /// Header carrying the prefill pod of a disaggregated model.
     pub prefill_header: String,
-    /// Header whose value is used as the session key (empty: use the body's `user`).
+    /// A header tried first for the session key (empty: none).
     pub session_header: String,
+    /// Headers whose first present value is the session key, after `session_header`;
+    /// without one, the body's `prompt_cache_key`, `metadata.user_id` or `user`. The
+    /// default names what agent clients send: Claude Code's `x-claude-code-session-id`,
+    /// Codex's `session-id` / `session_id`, and the generic `x-session-id` and
+    /// `x-session-affinity`.
+    pub session_headers: Vec<String>,
     /// A header the gateway's authentication sets (the tenant): when configured, its
     /// value is the cache namespace's salt and the client's `cache_salt` is ignored, so
     /// one tenant cannot learn another's prompts from where its requests are steered.
@@ -89,11 +95,17 @@ impl Default for FilterConfig {
             route_path: "/v1/route".into(),
             report_path: "/v1/report".into(),
             timeout_ms: 25,
-            paths: vec!["/v1/completions".into(), "/v1/chat/completions".into()],
+            paths: vec![
+                "/v1/completions".into(),
+                "/v1/chat/completions".into(),
+                "/v1/messages".into(),
+                "/v1/responses".into(),
+            ],
             max_body_bytes: 8 << 20,
             steer_header: "x-gateway-destination-endpoint".into(),
             prefill_header: "x-kvroute-prefill-endpoint".into(),
             session_header: String::new(),
+            session_headers: DEFAULT_SESSION_HEADERS.map(String::from).to_vec(),
             tenant_header: String::new(),
             models: BTreeMap::new(),
             default_model: ModelSettings::default(),
@@ -107,6 +119,15 @@ impl Default for FilterConfig {
         }
     }
 }
+
+/// The session headers agent clients send (see [`FilterConfig::session_headers`]).
+pub const DEFAULT_SESSION_HEADERS: [&str; 5] = [
+    "x-claude-code-session-id",
+    "session-id",
+    "session_id",
+    "x-session-id",
+    "x-session-affinity",
+];
 
 fn valid_header_name(h: &str) -> bool {
     !h.is_empty()
@@ -152,7 +173,7 @@ impl FilterConfig {
         for p in &self.paths {
             if kvroute_shared::canon::Endpoint::from_path(p).is_none() {
                 errs.push(format!(
-                    "paths: {p:?} is not an OpenAI completions or chat completions path"
+                    "paths: {p:?} is not a routed API path (/v1/completions, /v1/chat/completions, /v1/messages, /v1/responses)"
                 ));
             }
         }
@@ -176,6 +197,19 @@ impl FilterConfig {
             if !h.is_empty() && !valid_header_name(h) {
                 errs.push(format!(
                     "{name} must be a lowercase header name (got {h:?})"
+                ));
+            }
+        }
+        if self.session_headers.len() > 16 {
+            errs.push(format!(
+                "session_headers lists at most 16 headers (got {})",
+                self.session_headers.len()
+            ));
+        }
+        for h in &self.session_headers {
+            if !valid_header_name(h) {
+                errs.push(format!(
+                    "session_headers: {h:?} is not a lowercase header name"
                 ));
             }
         }
@@ -219,6 +253,13 @@ impl FilterConfig {
     }
 
     /// Is this request path one we route?
+    /// The session headers in the order they are tried.
+    pub fn session_header_names(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(self.session_header.as_str())
+            .filter(|h| !h.is_empty())
+            .chain(self.session_headers.iter().map(String::as_str))
+    }
+
     pub fn routes_path(&self, path: &str) -> bool {
         let path = path.split('?').next().unwrap_or(path);
         self.paths.iter().any(|p| p == path)

@@ -20,7 +20,7 @@ use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, Metr
 
 use crate::config::FilterConfig;
 use crate::logic::{self, Skip};
-use crate::usage::Tail;
+use crate::usage::{Head, Tail};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -180,6 +180,8 @@ enum State {
         model: String,
         request_id: String,
         timings: Timings,
+        /// A Responses request: its response's id is learned for later turns.
+        responses: bool,
     },
     /// The request went on (steered or not); watch the response for `usage`.
     Forwarded {
@@ -188,6 +190,8 @@ enum State {
         steered: Option<logic::Steer>,
         status: u16,
         tail: Tail,
+        /// Responses requests only: the body's first bytes, where its id is.
+        head: Option<Head>,
         start: Option<SystemTime>,
         timings: Timings,
     },
@@ -239,6 +243,7 @@ impl Http {
         request_id: String,
         steered: Option<logic::Steer>,
         timings: Timings,
+        responses: bool,
     ) {
         let start = now();
         let tail = Tail::new(sh.cfg.usage_window_bytes);
@@ -248,6 +253,7 @@ impl Http {
             steered,
             status: 0,
             tail,
+            head: responses.then(Head::default),
             start,
             timings,
         };
@@ -271,6 +277,7 @@ impl Context for Http {
             model,
             request_id,
             mut timings,
+            responses,
         } = std::mem::replace(&mut self.state, State::PassThrough)
         else {
             return;
@@ -314,7 +321,7 @@ impl Context for Http {
                 None
             }
         };
-        self.forward(&sh, model, request_id, steered, timings);
+        self.forward(&sh, model, request_id, steered, timings, responses);
         let _ = hostcalls::resume_http_request();
     }
 }
@@ -340,11 +347,10 @@ impl HttpContext for Http {
         if end_of_stream || !logic::wants_body(&sh.cfg, method.as_deref(), path.as_deref()) {
             return Action::Continue;
         }
-        let session = if sh.cfg.session_header.is_empty() {
-            None
-        } else {
-            header(MapType::HttpRequestHeaders, &sh.cfg.session_header)
-        };
+        let session = sh
+            .cfg
+            .session_header_names()
+            .find_map(|h| header(MapType::HttpRequestHeaders, h).filter(|v| !v.is_empty()));
         let tenant = if sh.cfg.tenant_header.is_empty() {
             None
         } else {
@@ -444,12 +450,13 @@ impl HttpContext for Http {
                     model: prepared.model,
                     request_id: rid,
                     timings,
+                    responses: prepared.responses,
                 };
                 Action::Pause
             }
             Err(_) => {
                 sh.metrics.skip(Skip::DispatchFailed);
-                self.forward(&sh, prepared.model, rid, None, timings);
+                self.forward(&sh, prepared.model, rid, None, timings, prepared.responses);
                 Action::Continue
             }
         }
@@ -498,11 +505,14 @@ impl HttpContext for Http {
 
     fn on_http_response_body(&mut self, body_size: usize, _eos: bool) -> Action {
         // Never buffer the response: each chunk goes on at once; only its tail is kept.
-        if let State::Forwarded { tail, .. } = &mut self.state {
+        if let State::Forwarded { tail, head, .. } = &mut self.state {
             if let Ok(Some(chunk)) =
                 hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size)
             {
                 tail.push(&chunk);
+                if let Some(h) = head {
+                    h.push(&chunk);
+                }
             }
         }
         Action::Continue
@@ -521,6 +531,7 @@ impl HttpContext for Http {
             steered,
             status,
             tail,
+            head,
             start,
             ..
         } = &self.state
@@ -551,6 +562,7 @@ impl HttpContext for Http {
             *status,
             tail.usage(),
             duration_ms,
+            head.as_ref().and_then(Head::response_id),
         );
         let batch = sh
             .reports

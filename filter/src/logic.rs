@@ -7,7 +7,9 @@
 //! and a skip always means "continue unsteered" (fail open).
 
 use kvroute_shared::canon::{self, Endpoint};
-use kvroute_shared::protocol::{CompletionReport, PromptBody, RouteRequest, RouteResponse};
+use kvroute_shared::protocol::{
+    CompletionReport, PromptApi, PromptBody, RouteRequest, RouteResponse,
+};
 
 use crate::config::FilterConfig;
 use crate::usage::Usage;
@@ -74,6 +76,8 @@ pub struct Prepared {
     pub route_body: Vec<u8>,
     /// The body is the compact binary form (long chains), not JSON.
     pub binary: bool,
+    /// A Responses request (its response's id is worth learning).
+    pub responses: bool,
 }
 
 /// What the route takes from the request's headers.
@@ -83,6 +87,19 @@ pub struct FromHeaders<'a> {
     pub session: Option<&'a str>,
     /// The value of the configured `tenant_header` (set by the gateway, never the client).
     pub tenant: Option<&'a str>,
+}
+
+/// Session keys and response ids longer than this are cut (the sidecar hashes them; a
+/// client's megabyte header must not travel in every route call).
+pub const MAX_KEY_BYTES: usize = 256;
+
+/// `s` cut to at most `max` bytes, at a character boundary.
+fn cut(s: &str, max: usize) -> &str {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
 }
 
 /// Parse and chain a whole request body.
@@ -139,8 +156,13 @@ pub fn route_request(
     // The sidecar tokenizes this model's text: hand it what the template reads (the
     // text chain still goes along, for when it cannot).
     let prompt_body = if settings.sidecar_tokenizes && mode == kvroute_shared::Mode::Text {
-        let chat = matches!(req.prompt, canon::Prompt::Chat { .. });
-        Some(PromptBody::extract(chat, &req.cache_salt, body).map_err(|_| Skip::BadJson)?)
+        let api = match req.prompt {
+            canon::Prompt::Chat { .. } => PromptApi::Chat,
+            canon::Prompt::Messages { .. } => PromptApi::Messages,
+            canon::Prompt::Responses { .. } => PromptApi::Responses,
+            _ => PromptApi::Completions,
+        };
+        Some(PromptBody::extract(api, &req.cache_salt, body).map_err(|_| Skip::BadJson)?)
     } else {
         None
     };
@@ -157,13 +179,18 @@ pub fn route_request(
         request_id: h.request_id.map(str::to_owned),
         session: h
             .session
-            .map(str::to_owned)
-            .or_else(|| req.user.as_deref().map(str::to_owned)),
+            .or(req.session.as_deref())
+            .map(|s| cut(s, MAX_KEY_BYTES).to_owned()),
+        previous_response: req
+            .previous_response
+            .as_deref()
+            .map(|s| cut(s, MAX_KEY_BYTES).to_owned()),
         role: None,
         dry_run: false,
         explain: false,
         prompt_body,
     };
+    let responses = matches!(req.prompt, canon::Prompt::Responses { .. });
     let binary = blocks > cfg.binary_above_blocks;
     let route_body = if binary {
         route.encode_binary()
@@ -176,6 +203,7 @@ pub fn route_request(
         prompt_tokens,
         route_body,
         binary,
+        responses,
     })
 }
 
@@ -231,6 +259,7 @@ pub fn report(
     status: u16,
     usage: Option<Usage>,
     duration_ms: f64,
+    response_id: Option<String>,
 ) -> Vec<u8> {
     let r = CompletionReport {
         decision: decision.to_owned(),
@@ -238,10 +267,11 @@ pub fn report(
         pod: pod.to_owned(),
         model: model.to_owned(),
         status,
-        prompt_tokens: usage.and_then(|u| u.prompt_tokens),
+        prompt_tokens: usage.and_then(|u| u.prompt()),
         cached_tokens: usage.and_then(|u| u.cached_tokens()),
-        completion_tokens: usage.and_then(|u| u.completion_tokens),
+        completion_tokens: usage.and_then(|u| u.completion()),
         duration_ms,
+        response_id,
     };
     serde_json::to_vec(&r).unwrap_or_default()
 }
@@ -428,10 +458,20 @@ mod tests {
             prompt_tokens_details: Some(crate::usage::Details {
                 cached_tokens: Some(8),
             }),
+            ..Usage::default()
         };
-        let r: CompletionReport =
-            serde_json::from_slice(&report("ab-7", "r", "m", "p:1", 200, Some(u), 1.5))
-                .expect("json");
+        let r: CompletionReport = serde_json::from_slice(&report(
+            "ab-7",
+            "r",
+            "m",
+            "p:1",
+            200,
+            Some(u),
+            1.5,
+            Some("resp_1".into()),
+        ))
+        .expect("json");
+        assert_eq!(r.response_id.as_deref(), Some("resp_1"));
         assert_eq!(
             (
                 r.cached_tokens,
@@ -447,14 +487,14 @@ mod tests {
     fn report_queue_batches_into_a_json_array_the_sidecar_decodes() {
         let mut q = ReportQueue::new(3);
         assert!(q.take().is_none(), "nothing pending, nothing sent");
-        let one = report("d1", "r1", "m", "p:1", 200, None, 1.0);
+        let one = report("d1", "r1", "m", "p:1", 200, None, 1.0, None);
         assert!(q.push(&one).is_none());
         assert!(q.push(&[]).is_none(), "an empty encoding is not queued");
         assert!(q
-            .push(&report("d2", "r2", "m", "p:2", 500, None, 2.0))
+            .push(&report("d2", "r2", "m", "p:2", 500, None, 2.0, None))
             .is_none());
         let (body, n) = q
-            .push(&report("d3", "r3", "m", "p:1", 200, None, 3.0))
+            .push(&report("d3", "r3", "m", "p:1", 200, None, 3.0, None))
             .expect("full");
         assert_eq!(n, 3);
         let b = kvroute_shared::protocol::ReportBatch::decode(&body).expect("decodes");

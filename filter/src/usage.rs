@@ -7,6 +7,11 @@
 
 use serde::Deserialize;
 
+/// `usage` in any of the three shapes: OpenAI completions and chat (`prompt_tokens`,
+/// `prompt_tokens_details.cached_tokens`), OpenAI Responses (`input_tokens`,
+/// `input_tokens_details.cached_tokens`) and Anthropic Messages (`input_tokens` *without*
+/// the cached ones, `cache_read_input_tokens`, `cache_creation_input_tokens`). The
+/// fields present tell them apart, so the report does not depend on the path.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
 pub struct Usage {
     #[serde(default)]
@@ -15,6 +20,16 @@ pub struct Usage {
     pub completion_tokens: Option<u32>,
     #[serde(default)]
     pub prompt_tokens_details: Option<Details>,
+    #[serde(default)]
+    pub input_tokens: Option<u32>,
+    #[serde(default)]
+    pub output_tokens: Option<u32>,
+    #[serde(default)]
+    pub input_tokens_details: Option<Details>,
+    #[serde(default)]
+    pub cache_read_input_tokens: Option<u32>,
+    #[serde(default)]
+    pub cache_creation_input_tokens: Option<u32>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
@@ -24,8 +39,28 @@ pub struct Details {
 }
 
 impl Usage {
+    /// The whole prompt's tokens, cached or not.
+    pub fn prompt(&self) -> Option<u32> {
+        self.prompt_tokens.or_else(|| {
+            let input = self.input_tokens?;
+            Some(
+                input
+                    .saturating_add(self.cache_read_input_tokens.unwrap_or(0))
+                    .saturating_add(self.cache_creation_input_tokens.unwrap_or(0)),
+            )
+        })
+    }
+
+    /// The prompt's tokens the engine found cached.
     pub fn cached_tokens(&self) -> Option<u32> {
-        self.prompt_tokens_details.and_then(|d| d.cached_tokens)
+        self.prompt_tokens_details
+            .or(self.input_tokens_details)
+            .and_then(|d| d.cached_tokens)
+            .or(self.cache_read_input_tokens)
+    }
+
+    pub fn completion(&self) -> Option<u32> {
+        self.completion_tokens.or(self.output_tokens)
     }
 }
 
@@ -120,9 +155,98 @@ fn parse_after_key(rest: &[u8]) -> Option<Usage> {
     None
 }
 
+/// The first bytes of a response body, kept only for Responses requests: the response's
+/// `id` (which a later turn names as `previous_response_id`) is the first `"id"` of the
+/// JSON body and of the first SSE event (`response.created`).
+#[derive(Debug, Default)]
+pub struct Head {
+    buf: Vec<u8>,
+}
+
+impl Head {
+    pub const CAP: usize = 2048;
+
+    pub fn push(&mut self, chunk: &[u8]) {
+        let room = Self::CAP - self.buf.len();
+        self.buf
+            .extend_from_slice(chunk.get(..room.min(chunk.len())).unwrap_or_default());
+    }
+
+    /// The response id: the first `"id"` key's string value, if it is a plausible id
+    /// (at most 256 bytes, printable ASCII).
+    pub fn response_id(&self) -> Option<String> {
+        const KEY: &[u8] = b"\"id\"";
+        let at = self.buf.windows(KEY.len()).position(|w| w == KEY)?;
+        let mut rest = self.buf.get(at + KEY.len()..)?;
+        while rest.first()?.is_ascii_whitespace() {
+            rest = rest.get(1..)?;
+        }
+        rest = rest.strip_prefix(b":")?;
+        while rest.first()?.is_ascii_whitespace() {
+            rest = rest.get(1..)?;
+        }
+        let body = rest.strip_prefix(b"\"")?;
+        let end = body.iter().position(|&b| b == b'"')?;
+        let id = body.get(..end)?;
+        if id.is_empty()
+            || id.len() > 256
+            || !id.iter().all(|b| b.is_ascii_graphic() && *b != b'\\')
+        {
+            return None;
+        }
+        Some(String::from_utf8_lossy(id).into_owned())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_api_s_usage_is_read() {
+        let read = |s: &str| {
+            let mut t = Tail::new(4096);
+            t.push(s.as_bytes());
+            let u = t.usage().expect("usage");
+            (u.prompt(), u.cached_tokens(), u.completion())
+        };
+        // Anthropic Messages, streamed: message_start, then the full count in message_delta.
+        let sse = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":0,\"output_tokens\":0}}}\n\n\
+                   event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"input_tokens\":40,\"cache_read_input_tokens\":960,\"output_tokens\":12}}\n\n";
+        assert_eq!(read(sse), (Some(1000), Some(960), Some(12)));
+        // OpenAI Responses (input_tokens is the whole prompt there).
+        let json = r#"{"id":"resp_1","usage":{"input_tokens":1000,"input_tokens_details":{"cached_tokens":960},"output_tokens":5}}"#;
+        assert_eq!(read(json), (Some(1000), Some(960), Some(5)));
+        // Messages without cache details: input_tokens is the whole prompt.
+        assert_eq!(
+            read(r#"{"usage":{"input_tokens":7,"output_tokens":1}}"#),
+            (Some(7), None, Some(1))
+        );
+    }
+
+    #[test]
+    fn the_response_id_is_the_first_id() {
+        let id = |chunks: &[&str]| {
+            let mut h = Head::default();
+            for c in chunks {
+                h.push(c.as_bytes());
+            }
+            h.response_id()
+        };
+        assert_eq!(
+            id(&[
+                "{\"id\": \"resp_",
+                "abc\",\"object\":\"response\",\"output\":[{\"id\":\"msg_1\"}]}"
+            ]),
+            Some("resp_abc".into())
+        );
+        let sse = "event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0,\"response\":{\"id\":\"resp_9\",\"status\":\"in_progress\"}}\n\n";
+        assert_eq!(id(&[sse]), Some("resp_9".into()));
+        assert_eq!(id(&["{\"id\":\"a\\\"b\"}"]), None, "escapes are not ids");
+        assert_eq!(id(&[&format!("{{\"id\":\"{}\"}}", "x".repeat(300))]), None);
+        assert_eq!(id(&[&" ".repeat(Head::CAP), "{\"id\":\"late\"}"]), None);
+        assert_eq!(id(&["{\"id\":5}"]), None);
+    }
 
     const JSON: &str = r#"{"id":"x","choices":[{"text":"usage \"usage\":{"}],"usage":{"prompt_tokens":40,"completion_tokens":7,"total_tokens":47,"prompt_tokens_details":{"cached_tokens":32}}}"#;
 

@@ -46,7 +46,12 @@ proptest! {
 
     #[test]
     fn parsers_survive_random_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
-        for ep in [Endpoint::Completions, Endpoint::ChatCompletions] {
+        for ep in [
+            Endpoint::Completions,
+            Endpoint::ChatCompletions,
+            Endpoint::Messages,
+            Endpoint::Responses,
+        ] {
             if let Ok(r) = parse(ep, &bytes) {
                 let _ = r.chain(&AdapterRule::default(), 16);
             }
@@ -77,6 +82,7 @@ proptest! {
             prompt_tokens: 7,
             request_id: Some("r".into()),
             session: None,
+            previous_response: None,
             role: None,
             dry_run: false,
             explain: false,
@@ -97,7 +103,12 @@ proptest! {
     #[test]
     fn parsers_survive_json_of_the_wrong_shape(v in arb_json()) {
         let bytes = serde_json::to_vec(&v).unwrap_or_default();
-        for ep in [Endpoint::Completions, Endpoint::ChatCompletions] {
+        for ep in [
+            Endpoint::Completions,
+            Endpoint::ChatCompletions,
+            Endpoint::Messages,
+            Endpoint::Responses,
+        ] {
             if let Ok(r) = parse(ep, &bytes) {
                 let c = r.chain(&AdapterRule::default(), 4);
                 prop_assert!(c.chain.len() <= bytes.len());

@@ -152,6 +152,7 @@ fn binary_route_body_round_trips_and_refuses_garbage() {
         prompt_tokens: 16_000,
         request_id: Some("r".into()),
         session: None,
+        previous_response: None,
         role: None,
         dry_run: false,
         explain: false,

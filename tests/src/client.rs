@@ -177,7 +177,7 @@ pub fn chat_route_req(model: &str, body: &Value) -> RouteRequest {
         prompt_tokens: 0,
         dry_run: true,
         prompt_body: kvroute_shared::protocol::PromptBody::extract(
-            true,
+            kvroute_shared::protocol::PromptApi::Chat,
             "",
             body.to_string().as_bytes(),
         )
@@ -196,6 +196,7 @@ pub fn route_req(model: &str, chain: &[u64], block_size: u32) -> RouteRequest {
         prompt_tokens: chain.len() as u32 * block_size,
         request_id: None,
         session: None,
+        previous_response: None,
         role: None,
         dry_run: false,
         explain: false,

@@ -115,7 +115,12 @@ async fn chats_follow_the_engines_events() {
     let history = json!({"messages": [
         {"role": "system", "content": format!("Conversation 0. {}", "You answer about caches, routers and 東京. ".repeat(30))},
         {"role": "user", "content": "Question 0 of conversation 0: why do prefixes matter? 🙂"}]});
-    let body = PromptBody::extract(true, "", history.to_string().as_bytes()).expect("fields");
+    let body = PromptBody::extract(
+        kvroute_shared::protocol::PromptApi::Chat,
+        "",
+        history.to_string().as_bytes(),
+    )
+    .expect("fields");
     let dry = json!({"model": "m", "mode": "text", "block_size": 256, "chain": [],
                      "dry_run": true, "prompt_body": body});
     let matched_on = |v: &Value| {

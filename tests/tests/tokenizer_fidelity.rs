@@ -239,10 +239,18 @@ fn chat_bodies_route_by_the_engines_blocks() {
         prompt_tokens: 100,
         request_id: None,
         session: None,
+        previous_response: None,
         role: None,
         dry_run: false,
         explain: false,
-        prompt_body: Some(PromptBody::extract(true, "", body.as_bytes()).expect("fields")),
+        prompt_body: Some(
+            PromptBody::extract(
+                kvroute_shared::protocol::PromptApi::Chat,
+                "",
+                body.as_bytes(),
+            )
+            .expect("fields"),
+        ),
     };
     let a = route(&sc, &req("m")).expect("route");
     assert_eq!(a.pod, "10.0.0.2:8000");
@@ -262,7 +270,14 @@ fn chat_bodies_route_by_the_engines_blocks() {
     // Hostile or unusable bodies keep their text chain, each counted: a chat too large to
     // tokenize, an image part, a role the template refuses.
     let with_body = |b: serde_json::Value| RouteRequest {
-        prompt_body: Some(PromptBody::extract(true, "", b.to_string().as_bytes()).expect("fields")),
+        prompt_body: Some(
+            PromptBody::extract(
+                kvroute_shared::protocol::PromptApi::Chat,
+                "",
+                b.to_string().as_bytes(),
+            )
+            .expect("fields"),
+        ),
         ..req("m")
     };
     let huge = serde_json::json!({"messages": [{"role": "user", "content": "x".repeat(3 << 20)}]});

@@ -36,11 +36,15 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::chain::{ChainHasher, Mode, Namespace};
 
-/// Which OpenAI endpoint a body was sent to.
+/// Which API endpoint a body was sent to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Endpoint {
     Completions,
     ChatCompletions,
+    /// Anthropic's Messages API.
+    Messages,
+    /// OpenAI's Responses API.
+    Responses,
 }
 
 impl Endpoint {
@@ -50,6 +54,8 @@ impl Endpoint {
         match path.trim_end_matches('/') {
             "/v1/completions" => Some(Endpoint::Completions),
             "/v1/chat/completions" => Some(Endpoint::ChatCompletions),
+            "/v1/messages" => Some(Endpoint::Messages),
+            "/v1/responses" => Some(Endpoint::Responses),
             _ => None,
         }
     }
@@ -107,6 +113,19 @@ pub enum Prompt<'a> {
     Chat {
         tools: Option<&'a RawValue>,
         messages: Vec<Message<'a>>,
+    },
+    /// Anthropic Messages: `system` (a string or blocks), `tools`, `messages` (whose
+    /// content blocks `agent.rs` reads).
+    Messages {
+        system: Option<Content<'a>>,
+        tools: Option<&'a RawValue>,
+        messages: Vec<Message<'a>>,
+    },
+    /// OpenAI Responses: `instructions`, `tools`, `input`.
+    Responses {
+        instructions: Option<Cow<'a, str>>,
+        tools: Option<&'a RawValue>,
+        input: super::agent::Input<'a>,
     },
 }
 
@@ -219,7 +238,7 @@ impl Sink for Vec<u8> {
     }
 }
 
-fn record(sink: &mut impl Sink, tag: u8, payload: &[u8]) {
+pub(crate) fn record(sink: &mut impl Sink, tag: u8, payload: &[u8]) {
     let len = u32::try_from(payload.len()).unwrap_or(u32::MAX);
     let mut head = [0u8; 5];
     head[0] = tag;
@@ -307,6 +326,26 @@ impl Prompt<'_> {
                     m.write(sink);
                 }
             }
+            Prompt::Messages {
+                system,
+                tools,
+                messages,
+            } => {
+                super::agent::write_tools(sink, *tools);
+                super::agent::write_system(sink, system.as_ref());
+                for m in messages {
+                    super::agent::write_message(sink, m);
+                }
+            }
+            Prompt::Responses {
+                instructions,
+                tools,
+                input,
+            } => {
+                super::agent::write_tools(sink, *tools);
+                super::agent::write_instructions(sink, instructions.as_deref());
+                super::agent::write_input(sink, input);
+            }
         }
     }
 
@@ -315,7 +354,7 @@ impl Prompt<'_> {
         match self {
             Prompt::Tokens(t) => t.len(),
             Prompt::Text(t) => t.len(),
-            Prompt::Chat { .. } => {
+            Prompt::Chat { .. } | Prompt::Messages { .. } | Prompt::Responses { .. } => {
                 let mut c = Counter(0);
                 self.write_canonical(&mut c);
                 c.0
@@ -378,8 +417,12 @@ pub struct Request<'a> {
     /// vLLM's `cache_salt`: tenants with different salts must never share KV.
     pub cache_salt: Cow<'a, str>,
     pub stream: bool,
-    /// OpenAI's `user` field, usable as a session key.
-    pub user: Option<Cow<'a, str>>,
+    /// A key the client keeps for a conversation, from the body: `prompt_cache_key`,
+    /// Anthropic's `metadata.user_id` (per session for Claude Code), or OpenAI's `user`.
+    pub session: Option<Cow<'a, str>>,
+    /// Responses `previous_response_id`: the conversation so far lives on the engine that
+    /// stored that response, and only this turn's input is in the body.
+    pub previous_response: Option<Cow<'a, str>>,
     pub prompt: Prompt<'a>,
 }
 

@@ -9,7 +9,8 @@ use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, SeqAccess, Visi
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use super::format::{CanonError, Endpoint, Message, Prompt, Request, MAX_MESSAGES};
+use super::agent::Input;
+use super::format::{CanonError, Content, Endpoint, Message, Prompt, Request, MAX_MESSAGES};
 
 #[derive(Deserialize)]
 struct Body<'a> {
@@ -27,6 +28,86 @@ struct Body<'a> {
     stream: Option<bool>,
     #[serde(borrow, default)]
     user: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    prompt_cache_key: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    metadata: Option<Metadata<'a>>,
+    // Messages
+    #[serde(borrow, default)]
+    system: Option<Content<'a>>,
+    // Responses
+    #[serde(borrow, default)]
+    instructions: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    input: Option<InputField<'a>>,
+    #[serde(borrow, default)]
+    previous_response_id: Option<Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+struct Metadata<'a> {
+    #[serde(borrow, default)]
+    user_id: Option<Cow<'a, str>>,
+}
+
+/// Responses `input`: a string, or at most [`MAX_MESSAGES`] items kept raw (the rest
+/// read past and reported, as for chat messages).
+struct InputField<'a> {
+    input: Input<'a>,
+    overflow: bool,
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for InputField<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = InputField<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string or a list of input items")
+            }
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(InputField {
+                    input: Input::Text(Cow::Borrowed(v)),
+                    overflow: false,
+                })
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(InputField {
+                    input: Input::Text(Cow::Owned(v.to_owned())),
+                    overflow: false,
+                })
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+                Ok(InputField {
+                    input: Input::Text(Cow::Owned(v)),
+                    overflow: false,
+                })
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(64));
+                while items.len() < MAX_MESSAGES {
+                    match seq.next_element::<&'de RawValue>()? {
+                        Some(m) => items.push(m),
+                        None => {
+                            return Ok(InputField {
+                                input: Input::Items(items),
+                                overflow: false,
+                            })
+                        }
+                    }
+                }
+                let mut overflow = false;
+                while seq.next_element::<IgnoredAny>()?.is_some() {
+                    overflow = true;
+                }
+                Ok(InputField {
+                    input: Input::Items(items),
+                    overflow,
+                })
+            }
+        }
+        d.deserialize_any(V(std::marker::PhantomData))
+    }
 }
 
 /// `messages`, at most [`MAX_MESSAGES`] of them materialized; the rest are read past
@@ -196,7 +277,7 @@ pub(crate) fn parse_with_serde(endpoint: Endpoint, body: &[u8]) -> Result<Reques
             PromptField::Tokens(t) if t.is_empty() => return Err(CanonError::Empty),
             PromptField::Tokens(t) => Prompt::Tokens(t),
         },
-        Endpoint::ChatCompletions => {
+        Endpoint::ChatCompletions | Endpoint::Messages => {
             let messages = b.messages.ok_or(CanonError::Missing("messages"))?;
             if messages.overflow {
                 return Err(CanonError::TooManyMessages);
@@ -205,17 +286,50 @@ pub(crate) fn parse_with_serde(endpoint: Endpoint, body: &[u8]) -> Result<Reques
             if messages.is_empty() {
                 return Err(CanonError::Empty);
             }
-            Prompt::Chat {
+            if endpoint == Endpoint::Messages {
+                Prompt::Messages {
+                    system: b.system,
+                    tools: b.tools,
+                    messages,
+                }
+            } else {
+                Prompt::Chat {
+                    tools: b.tools,
+                    messages,
+                }
+            }
+        }
+        Endpoint::Responses => {
+            let input = b.input.ok_or(CanonError::Missing("input"))?;
+            if input.overflow {
+                return Err(CanonError::TooManyMessages);
+            }
+            let empty = match &input.input {
+                Input::Text(t) => t.is_empty(),
+                Input::Items(i) => i.is_empty(),
+            };
+            // A chained turn may send nothing new but still names its conversation.
+            if empty && b.previous_response_id.is_none() {
+                return Err(CanonError::Empty);
+            }
+            Prompt::Responses {
+                instructions: b.instructions,
                 tools: b.tools,
-                messages,
+                input: input.input,
             }
         }
     };
+    let session = b
+        .prompt_cache_key
+        .or_else(|| b.metadata.and_then(|m| m.user_id))
+        .or(b.user)
+        .filter(|s| !s.is_empty());
     Ok(Request {
         model: b.model.unwrap_or(Cow::Borrowed("")),
         cache_salt: b.cache_salt.unwrap_or(Cow::Borrowed("")),
         stream: b.stream.unwrap_or(false),
-        user: b.user,
+        session,
+        previous_response: b.previous_response_id.filter(|s| !s.is_empty()),
         prompt,
     })
 }

@@ -58,7 +58,14 @@ pub(crate) fn token_completion(body: &[u8]) -> Option<Request<'_>> {
             b"stream" => Some(&mut stream),
             b"user" => Some(&mut user),
             // Fields serde would also decode for a completions body: let it judge them.
-            b"messages" | b"tools" => return None,
+            b"messages"
+            | b"tools"
+            | b"prompt_cache_key"
+            | b"metadata"
+            | b"system"
+            | b"instructions"
+            | b"input"
+            | b"previous_response_id" => return None,
             _ => {
                 s.value(0)?;
                 None
@@ -92,7 +99,8 @@ pub(crate) fn token_completion(body: &[u8]) -> Option<Request<'_>> {
         model: text(model)?.unwrap_or(Cow::Borrowed("")),
         cache_salt: text(salt)?.unwrap_or(Cow::Borrowed("")),
         stream: stream.unwrap_or(false),
-        user: text(user)?,
+        session: text(user)?.filter(|u| !u.is_empty()),
+        previous_response: None,
         prompt: Prompt::Tokens(tokens),
     })
 }
@@ -412,7 +420,7 @@ mod tests {
             r.model.to_string(),
             r.cache_salt.to_string(),
             r.stream,
-            r.user.as_ref().map(|u| u.to_string()),
+            r.session.as_ref().map(|u| u.to_string()),
             toks,
         )
     }

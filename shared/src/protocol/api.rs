@@ -88,9 +88,14 @@ pub struct RouteRequest {
     pub prompt_tokens: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request_id: Option<String>,
-    /// A session key (e.g. OpenAI's `user`), for session-affinity tie-breaks.
+    /// A session key (a session header, `prompt_cache_key`, Messages `metadata.user_id`,
+    /// OpenAI's `user`): the sidecar binds it to the pod it routed the session to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session: Option<String>,
+    /// Responses `previous_response_id`: the pod that served that response holds the
+    /// conversation (the body carries only the new turn).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_response: Option<String>,
     /// Restrict to pods of this role (default: any pod that can serve the whole request).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub role: Option<Role>,
@@ -114,8 +119,12 @@ pub struct RouteRequest {
 /// `add_generation_prompt`, `continue_final_message`, `add_special_tokens`.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct PromptBody {
-    /// `/v1/chat/completions` (else `/v1/completions`).
+    /// Rendered with the chat template (chat, Messages, Responses), else `/v1/completions`.
     pub chat: bool,
+    /// The API the fields are in, when not chat's or completions' own: the sidecar turns
+    /// them into the chat request the engine renders.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api: Option<PromptApi>,
     /// The namespace's salt as the gateway resolved it (the tenant's, or the body's).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub cache_salt: String,
@@ -123,9 +132,32 @@ pub struct PromptBody {
     pub fields: Box<serde_json::value::RawValue>,
 }
 
+/// Which API a [`PromptBody`]'s fields come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PromptApi {
+    Completions,
+    Chat,
+    Messages,
+    Responses,
+}
+
+impl From<crate::canon::Endpoint> for PromptApi {
+    fn from(e: crate::canon::Endpoint) -> PromptApi {
+        use crate::canon::Endpoint;
+        match e {
+            Endpoint::Completions => PromptApi::Completions,
+            Endpoint::ChatCompletions => PromptApi::Chat,
+            Endpoint::Messages => PromptApi::Messages,
+            Endpoint::Responses => PromptApi::Responses,
+        }
+    }
+}
+
 impl PartialEq for PromptBody {
     fn eq(&self, o: &PromptBody) -> bool {
         self.chat == o.chat
+            && self.api == o.api
             && self.cache_salt == o.cache_salt
             && self.fields.get() == o.fields.get()
     }
@@ -133,7 +165,7 @@ impl PartialEq for PromptBody {
 
 impl PromptBody {
     /// The fields of `body` a template or tokenizer reads, copied as sent (no re-encoding).
-    pub fn extract(chat: bool, cache_salt: &str, body: &[u8]) -> Result<PromptBody, String> {
+    pub fn extract(api: PromptApi, cache_salt: &str, body: &[u8]) -> Result<PromptBody, String> {
         #[derive(Deserialize)]
         struct Fields<'a> {
             #[serde(borrow, default)]
@@ -152,6 +184,22 @@ impl PromptBody {
             continue_final_message: Option<&'a serde_json::value::RawValue>,
             #[serde(borrow, default)]
             add_special_tokens: Option<&'a serde_json::value::RawValue>,
+            // Messages
+            #[serde(borrow, default)]
+            system: Option<&'a serde_json::value::RawValue>,
+            #[serde(borrow, default)]
+            thinking: Option<&'a serde_json::value::RawValue>,
+            #[serde(borrow, default)]
+            tool_choice: Option<&'a serde_json::value::RawValue>,
+            #[serde(borrow, default)]
+            output_config: Option<&'a serde_json::value::RawValue>,
+            // Responses
+            #[serde(borrow, default)]
+            instructions: Option<&'a serde_json::value::RawValue>,
+            #[serde(borrow, default)]
+            input: Option<&'a serde_json::value::RawValue>,
+            #[serde(borrow, default)]
+            reasoning: Option<&'a serde_json::value::RawValue>,
         }
         let f: Fields<'_> = serde_json::from_slice(body).map_err(|e| e.to_string())?;
         let mut out = String::with_capacity(body.len().min(1 << 20) + 16);
@@ -165,6 +213,13 @@ impl PromptBody {
             ("add_generation_prompt", f.add_generation_prompt),
             ("continue_final_message", f.continue_final_message),
             ("add_special_tokens", f.add_special_tokens),
+            ("system", f.system),
+            ("thinking", f.thinking),
+            ("tool_choice", f.tool_choice),
+            ("output_config", f.output_config),
+            ("instructions", f.instructions),
+            ("input", f.input),
+            ("reasoning", f.reasoning),
         ];
         for (name, v) in parts {
             if let Some(v) = v {
@@ -179,8 +234,11 @@ impl PromptBody {
         }
         out.push('}');
         let fields = serde_json::value::RawValue::from_string(out).map_err(|e| e.to_string())?;
+        let chat = api != PromptApi::Completions;
+        let api = matches!(api, PromptApi::Messages | PromptApi::Responses).then_some(api);
         Ok(PromptBody {
             chat,
+            api,
             cache_salt: cache_salt.to_owned(),
             fields,
         })
@@ -261,6 +319,10 @@ pub struct CompletionReport {
     pub completion_tokens: Option<u32>,
     #[serde(default)]
     pub duration_ms: f64,
+    /// The id the engine gave its response (Responses API), which a later turn names as
+    /// `previous_response_id`: the sidecar binds it to this pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_id: Option<String>,
 }
 
 /// The reports in one `POST /v1/report` body: a single object, or an array of them (the

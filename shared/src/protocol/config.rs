@@ -107,6 +107,14 @@ pub struct PolicyConfig {
     pub breaker_cooldown_s: u64,
     /// Refuse events from pods not registered with `PUT /v1/pods/{id}`.
     pub require_registration: bool,
+    /// Share of a session's last prompt credited as hits to the pod the session is bound
+    /// to (a session header, `prompt_cache_key`, Messages `metadata.user_id`, `user`): what
+    /// the pod probably still holds when the index cannot tell. 0 turns it off.
+    pub session_weight: f64,
+    /// Bindings (sessions, Responses ids) unused this long are forgotten.
+    pub binding_ttl_s: u64,
+    /// At most this many bindings of each kind (oldest first out); about 96 bytes each.
+    pub max_bindings: u64,
 }
 
 impl Default for PolicyConfig {
@@ -145,6 +153,9 @@ impl Default for PolicyConfig {
             breaker_failures: 5,
             breaker_cooldown_s: 10,
             require_registration: false,
+            session_weight: 0.5,
+            binding_ttl_s: 3600,
+            max_bindings: 65_536,
         }
     }
 }
@@ -187,6 +198,21 @@ impl PolicyConfig {
             errs.push(format!(
                 "prefill_tokens_per_s must be >= 1 (got {})",
                 self.prefill_tokens_per_s
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.session_weight) {
+            errs.push(format!(
+                "session_weight must be in [0, 1] (got {})",
+                self.session_weight
+            ));
+        }
+        if self.binding_ttl_s == 0 {
+            errs.push("binding_ttl_s must be > 0".to_string());
+        }
+        if self.max_bindings > 10_000_000 {
+            errs.push(format!(
+                "max_bindings must be at most 10000000 (got {})",
+                self.max_bindings
             ));
         }
         if !(0.0..=1.0).contains(&self.predicted_weight) {

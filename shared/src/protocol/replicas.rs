@@ -33,6 +33,27 @@ pub struct LoadDelta {
     /// request, which only adds prefill work).
     #[serde(default = "yes")]
     pub inflight: bool,
+    /// An add's session binding (the key's hash with its model, see the sidecar's
+    /// `affinity`): the session is on `pod`, credited with `bound_tokens`.
+    #[serde(
+        default,
+        deserialize_with = "opt_u64",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub session: Option<u64>,
+    /// A release's response binding: the Responses id the engine gave, hashed likewise.
+    #[serde(
+        default,
+        deserialize_with = "opt_u64",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub response: Option<u64>,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub bound_tokens: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 fn yes() -> bool {

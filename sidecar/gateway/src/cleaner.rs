@@ -50,6 +50,11 @@ pub fn sweep(sc: &Sidecar, now: Instant) {
     sc.expire_load(now);
     sc.predicted
         .expire(Duration::from_secs(cfg.predicted_ttl_s), now);
+    sc.bindings.expire(
+        now,
+        Duration::from_secs(cfg.binding_ttl_s),
+        cfg.max_bindings as usize,
+    );
     // Indexes whose share of the budget shrank (a model was added) come down to it.
     sc.trim_indexes();
     crate::release_free_memory();

@@ -46,16 +46,18 @@ pub fn run_tokenized(
     }
     let (tokens, model, salt) = match &args.input {
         Input::Request { body, path } => {
-            let chat = match Endpoint::from_path(path) {
-                Some(Endpoint::ChatCompletions) => true,
-                Some(Endpoint::Completions) => false,
-                None => bail!("{path:?} is not /v1/completions or /v1/chat/completions"),
+            let Some(endpoint) = Endpoint::from_path(path) else {
+                bail!("{path:?} is not a routed API path (/v1/completions, /v1/chat/completions, /v1/messages, /v1/responses)");
             };
             let v: serde_json::Value =
                 serde_json::from_slice(body).context("the request body is not JSON")?;
             let model = v["model"].as_str().unwrap_or_default().to_owned();
             let salt = v["cache_salt"].as_str().unwrap_or_default().to_owned();
-            (t.tokenize_request(chat, &v)?, model, salt)
+            (
+                t.tokenize_for(kvroute_shared::protocol::PromptApi::from(endpoint), &v)?,
+                model,
+                salt,
+            )
         }
         Input::Text(s) => (t.encode(s, true)?, String::new(), String::new()),
         Input::Tokens(_) => bail!("--tokenizer takes --request or --text"),

@@ -406,7 +406,7 @@ fn pod_json(sc: &Sidecar, p: &crate::registry::Pod, now: std::time::Instant) -> 
 #[derive(serde::Deserialize)]
 struct TokenizeBody {
     model: String,
-    /// `/v1/chat/completions` or `/v1/completions`.
+    /// The API path the body is for (`/v1/chat/completions`, `/v1/messages`, …).
     path: String,
     body: serde_json::Value,
 }
@@ -423,17 +423,14 @@ async fn tokenize_h(State(api): State<Api>, body: Bytes) -> Response {
         Ok(b) => b,
         Err(resp) => return resp,
     };
-    let chat = match kvroute_shared::canon::Endpoint::from_path(&b.path) {
-        Some(kvroute_shared::canon::Endpoint::ChatCompletions) => true,
-        Some(kvroute_shared::canon::Endpoint::Completions) => false,
-        None => {
-            return err(
-                StatusCode::BAD_REQUEST,
-                "bad_path",
-                format!("{:?} is not a completions path", b.path),
-            )
-        }
+    let Some(endpoint) = kvroute_shared::canon::Endpoint::from_path(&b.path) else {
+        return err(
+            StatusCode::BAD_REQUEST,
+            "bad_path",
+            format!("{:?} is not a routed API path", b.path),
+        );
     };
+    let prompt_api = kvroute_shared::protocol::PromptApi::from(endpoint);
     let toks = api.sc.tokenizers();
     let Some(t) = toks.get(&b.model).cloned() else {
         return err(
@@ -447,7 +444,7 @@ async fn tokenize_h(State(api): State<Api>, body: Bytes) -> Response {
     let r = tokio::task::spawn_blocking(move || {
         // Held while tokenizing; refused if the routes took the budget meanwhile.
         let permit = sc.tokenize_budget.take(len);
-        permit.map(|_p| t.tokenize_request(chat, &b.body))
+        permit.map(|_p| t.tokenize_for(prompt_api, &b.body))
     })
     .await;
     match r {

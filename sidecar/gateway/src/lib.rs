@@ -18,6 +18,7 @@
 //! by name; the modules stay private. The engine-side bridge is its own crate,
 //! `kvroute-bridge`, and the two share only `kvroute-service`.
 
+mod affinity;
 mod agreement;
 mod cleaner;
 pub mod hashcli;

@@ -102,6 +102,9 @@ pub struct Candidate {
     pub tiers: Option<TierHint>,
     pub stale: bool,
     pub load: LoadView,
+    /// Blocks a binding credits to this pod (its session's last turn went here, or the
+    /// response this request continues is stored here; see the sidecar's `affinity`).
+    pub bound: f64,
 }
 
 /// The request's side of the decision.
@@ -151,7 +154,7 @@ pub fn hits(cfg: &PolicyConfig, c: &Candidate) -> f64 {
     if c.stale {
         h *= cfg.stale_factor;
     }
-    h.max(0.0)
+    h.max(0.0).max(c.bound)
 }
 
 /// `shared`: hits credited to every candidate; `cold`: no candidate holds more, so this
@@ -419,6 +422,7 @@ mod tests {
             predicted: 0,
             tiers: None,
             stale: false,
+            bound: 0.0,
             load: LoadView {
                 pending_prefill_tokens: pending,
                 decode_blocks: 0,

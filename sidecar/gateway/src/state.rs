@@ -17,7 +17,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvroute_shared::protocol::{LoadDelta, PodRegistration, PolicyConfig};
+use kvroute_shared::protocol::{LoadDelta, LoadOp, PodRegistration, PolicyConfig};
 use parking_lot::RwLock;
 use tokio::sync::mpsc;
 
@@ -66,6 +66,9 @@ pub struct Sidecar {
     tokenizers: RwLock<Arc<crate::tokenize::Tokenizers>>,
     /// Client text tokenizing now, in bytes, against its cap (every tokenizing path).
     pub tokenize_budget: crate::tokenize::Budget,
+    /// Sessions and Responses ids bound to pods (written by route commits, reports and
+    /// other replicas' deltas; read by routes).
+    pub(crate) bindings: crate::affinity::Bindings,
 }
 
 /// Why a config update was refused.
@@ -123,6 +126,7 @@ impl Sidecar {
             recent: Default::default(),
             agreement: Default::default(),
             text_tokens: Default::default(),
+            bindings: Default::default(),
             tokenizers: Default::default(),
             tokenize_budget: Default::default(),
         };
@@ -302,7 +306,25 @@ impl Sidecar {
         // Under a registry view: a pod removed meanwhile gets no load after its removal.
         let pods = self.registry.view();
         let applied = match pods.id(&l.pod) {
-            Some(id) => self.ledger.apply_remote(id, l, now, &cfg),
+            Some(id) => {
+                // The other replica's bindings: its session went there, or its response
+                // is stored there.
+                let bind = |kind, key: Option<u64>| {
+                    if let Some(key) = key {
+                        let bound = crate::affinity::Bound {
+                            pod: id.clone(),
+                            tokens: l.bound_tokens,
+                        };
+                        let max = cfg.max_bindings as usize;
+                        self.bindings.bind(kind, key, bound, now, max);
+                    }
+                };
+                match l.op {
+                    LoadOp::Add => bind(crate::affinity::Kind::Session, l.session),
+                    LoadOp::Release => bind(crate::affinity::Kind::Response, l.response),
+                }
+                self.ledger.apply_remote(id, l, now, &cfg)
+            }
             None => false,
         };
         drop(pods);

@@ -112,6 +112,7 @@ pub fn snapshot(sc: &Sidecar) -> Value {
             "index_bytes": index_bytes,
             "tokenize_budget_bytes": sc.tokenize_budget.cap(),
         },
+        "bindings": sc.bindings.status(cfg.max_bindings),
         "agreement": sc.agreement.snapshot(),
         "models": models.into_values().collect::<Vec<_>>(),
         "pods": pods_json,

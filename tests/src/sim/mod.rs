@@ -301,6 +301,7 @@ impl Sim<'_> {
             prompt_tokens,
             request_id: None,
             session: r.session.map(|s| s.to_string()),
+            previous_response: None,
             role: None,
             dry_run: false,
             explain: false,

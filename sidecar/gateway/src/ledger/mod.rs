@@ -458,6 +458,9 @@ impl Ledger {
             blocks: d.placement.blocks,
             prefix: d.placement.prefix,
             inflight: true,
+            session: None,
+            response: None,
+            bound_tokens: 0,
         });
         if let Some(pp) = split {
             v.push(LoadDelta {
@@ -470,6 +473,9 @@ impl Ledger {
                 blocks: 0,
                 prefix: None,
                 inflight: false,
+                session: None,
+                response: None,
+                bound_tokens: 0,
             });
         }
         v

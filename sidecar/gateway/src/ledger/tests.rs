@@ -81,6 +81,9 @@ fn remote_adds_are_idempotent_and_expire() {
         blocks: 5,
         prefix: Some(3),
         inflight: true,
+        session: None,
+        response: None,
+        bound_tokens: 0,
     };
     assert!(!l.has_peers(now));
     assert!(l.apply_remote(&pod, &delta(LoadOp::Add, "x"), now, &cfg));
@@ -171,6 +174,9 @@ fn hostile_replica_deltas_are_clamped_saturated_and_bounded() {
         blocks: u64::MAX - 3,
         prefix: Some(3),
         inflight: true,
+        session: None,
+        response: None,
+        bound_tokens: 0,
     };
     assert!(l.apply_remote(&pod, &huge("x"), now, &cfg));
     assert!(l.apply_remote(&pod, &huge("y"), now, &cfg));

@@ -21,6 +21,7 @@ use kvroute_shared::protocol::{
 use kvroute_shared::Mode;
 use serde_json::json;
 
+use crate::affinity::{self, Bound, Kind};
 use crate::index::{ModelIndex, PodMatch};
 use crate::ledger::Placement;
 use crate::policy::{self, Ask, Candidate, PodFacts, Ranking};
@@ -167,7 +168,7 @@ fn route_inner(
 ) -> Result<RouteResponse, RouteError> {
     let cfg = sc.config();
     validate(&cfg, req)?;
-    let r = Route::new(sc, req, &cfg, lookup(sc, req), now);
+    let r = Route::new(sc, req, &cfg, lookup(sc, req, now), now);
     let pods = sc.registry().view();
     let disaggregated = req.role.is_none() && pods.disaggregated(&req.model);
     let main_role = if disaggregated {
@@ -231,9 +232,13 @@ pub struct Facts {
     pub prefix_key: Option<u64>,
     pub tie_key: u64,
     pub prompt_blocks: u32,
+    /// The request's session and the response it continues, as binding keys, with
+    /// what they are bound to now.
+    pub session: Option<(u64, Option<Bound>)>,
+    pub response: Option<Bound>,
 }
 
-fn lookup(sc: &Sidecar, req: &RouteRequest) -> Facts {
+fn lookup(sc: &Sidecar, req: &RouteRequest, now: Instant) -> Facts {
     let index = sc.indexes.get(&req.model);
     let confirmed = index
         .as_ref()
@@ -275,6 +280,16 @@ fn lookup(sc: &Sidecar, req: &RouteRequest) -> Facts {
         .checked_sub(1)
         .and_then(|d| req.chain.get(d))
         .copied();
+    let cfg = sc.config();
+    let ttl = std::time::Duration::from_secs(cfg.binding_ttl_s);
+    let session = req.session.as_deref().map(|s| {
+        let k = affinity::key(&req.model, s);
+        (k, sc.bindings.get(Kind::Session, k, now, ttl))
+    });
+    let response = req.previous_response.as_deref().and_then(|r| {
+        sc.bindings
+            .get(Kind::Response, affinity::key(&req.model, r), now, ttl)
+    });
     Facts {
         index,
         confirmed,
@@ -282,6 +297,8 @@ fn lookup(sc: &Sidecar, req: &RouteRequest) -> Facts {
         prefix_key,
         tie_key,
         prompt_blocks,
+        session,
+        response,
     }
 }
 
@@ -304,8 +321,14 @@ impl<'a> Route<'a> {
                 (req.block_size as f64 * e.tokens_per_byte).round().max(1.0) as u32
             }
         };
+        // A continued response's history is on its pod only: every pod's prompt is that
+        // long, and only the bound pod holds it.
+        let history = facts
+            .response
+            .as_ref()
+            .map_or(0, |b| (b.tokens / block_tokens.max(1) as u64) as u32);
         let ask = Ask {
-            prompt_blocks: facts.prompt_blocks,
+            prompt_blocks: facts.prompt_blocks.saturating_add(history),
             block_size: block_tokens,
             tie_key: facts.tie_key,
             seed: facts.tie_key ^ (crate::ledger::clock(now) * 1e9) as u64,
@@ -320,6 +343,25 @@ impl<'a> Route<'a> {
             ask,
             now,
         }
+    }
+
+    /// Blocks a binding credits to `pod`: a continued response's whole history, a
+    /// session's last prompt at `session_weight` (never more than this prompt).
+    fn bound_blocks(&self, pod: &str) -> f64 {
+        let bt = self.ask.block_size.max(1) as f64;
+        let mut b: f64 = 0.0;
+        if let Some(r) = self.facts.response.as_ref().filter(|r| &*r.pod == pod) {
+            b = b.max((r.tokens as f64 / bt).floor());
+        }
+        if let Some((_, Some(s))) = self.facts.session.as_ref() {
+            if &*s.pod == pod {
+                let blocks = (s.tokens as f64 / bt)
+                    .floor()
+                    .min(self.ask.prompt_blocks as f64);
+                b = b.max(self.cfg.session_weight * blocks);
+            }
+        }
+        b
     }
 
     fn no_pod(&self) -> RouteError {
@@ -373,6 +415,7 @@ impl<'a> Route<'a> {
                     tiers: None,
                     stale: p.stale,
                     load: p.load_view(load, now),
+                    bound: self.bound_blocks(&id),
                 };
                 Some(PodCandidate { candidate, pod: id })
             })
@@ -425,6 +468,27 @@ impl<'a> Route<'a> {
             self.now,
             self.cfg,
         );
+        // The session is where this turn went now, with this turn's whole prompt (a
+        // continued response's history included).
+        let mut deltas = deltas;
+        if let Some((key, _)) = facts.session {
+            let history = facts.response.as_ref().map_or(0, |r| r.tokens);
+            let bound = Bound {
+                pod: serving.pod.clone(),
+                tokens: tokens.prompt + history,
+            };
+            if let Some(d) = deltas.first_mut() {
+                d.session = Some(key);
+                d.bound_tokens = bound.tokens;
+            }
+            sc.bindings.bind(
+                Kind::Session,
+                key,
+                bound,
+                self.now,
+                self.cfg.max_bindings as usize,
+            );
+        }
         if predicted {
             sc.predicted.insert(
                 &req.model,
@@ -586,11 +650,103 @@ mod tests {
             chain,
             request_id: Some(request_id.into()),
             session: None,
+            previous_response: None,
             role: None,
             dry_run: false,
             explain: false,
             prompt_body: None,
         }
+    }
+
+    /// Sessions and continued responses stay with their pods, weighed as hits: a
+    /// session's next turn (whose chain the index knows nothing of) goes where its last
+    /// turn went; a Responses turn naming `previous_response_id` goes to the pod that
+    /// stored it, and rebinds when that pod is gone; a binding never beats the bounded
+    /// load; another replica learns both from the deltas.
+    #[test]
+    fn bindings_keep_conversations_on_their_pods() {
+        let (sc, _ch) = four_pods();
+        let turn = |chain: u64, session: Option<&str>, prev: Option<&str>| RouteRequest {
+            session: session.map(str::to_owned),
+            previous_response: prev.map(str::to_owned),
+            ..tokens_req((chain * 1000..chain * 1000 + 64).collect(), "r")
+        };
+        let mut stayed = 0;
+        for s in 0..20u64 {
+            let name = format!("session-{s}");
+            let first = route(&sc, &turn(2 * s + 1, Some(&name), None)).expect("first");
+            done(&sc, &first);
+            let next = route(&sc, &turn(2 * s + 2, Some(&name), None)).expect("next");
+            done(&sc, &next);
+            stayed += usize::from(next.pod == first.pod);
+        }
+        assert_eq!(stayed, 20, "every second turn on its session's pod");
+        // Without sessions the same chains scatter by their own hashes.
+        let scattered: std::collections::BTreeSet<String> = (0..20u64)
+            .map(|s| {
+                let a = route(&sc, &turn(500 + s, None, None)).expect("route");
+                done(&sc, &a);
+                a.pod
+            })
+            .collect();
+        assert!(scattered.len() > 1);
+
+        // A Responses chain: the report names the response, the next turn continues it.
+        let first = route(&sc, &turn(900, None, None)).expect("first");
+        report(
+            &sc,
+            &CompletionReport {
+                decision: first.decision.clone().unwrap_or_default(),
+                pod: first.pod.clone(),
+                status: 200,
+                prompt_tokens: Some(64 * 16),
+                completion_tokens: Some(100),
+                response_id: Some("resp_a".into()),
+                ..Default::default()
+            },
+        );
+        for i in 0..8u64 {
+            let a = route(&sc, &turn(901 + i, None, Some("resp_a"))).expect("continued");
+            assert_eq!(a.pod, first.pod, "turn {i}: where the response is stored");
+            done(&sc, &a);
+        }
+        assert_eq!(sc.bindings.len(Kind::Response), 1);
+        // The bounded load still holds: a pod already far over the mean is passed over.
+        let held: Vec<RouteResponse> = (0..40u64)
+            .map(|i| route(&sc, &turn(950 + i, None, Some("resp_a"))).expect("held"))
+            .collect();
+        assert!(
+            held.iter().any(|a| a.pod != first.pod),
+            "the binding does not override the bounded load"
+        );
+        for a in &held {
+            done(&sc, a);
+        }
+        // The pod goes: the chain rebinds at once, with no error.
+        sc.remove_pod(&first.pod, "test");
+        let a = route(&sc, &turn(999, None, Some("resp_a"))).expect("rebinds");
+        assert_ne!(a.pod, first.pod);
+        done(&sc, &a);
+
+        // Another replica hears the session's binding from the decision's delta.
+        let (other, _och) = four_pods();
+        let d = LoadDelta {
+            replica: "peer".into(),
+            id: "peer-1".into(),
+            pod: "10.0.0.2:8000".into(),
+            model: "m".into(),
+            op: LoadOp::Add,
+            prefill_tokens: 0,
+            blocks: 4,
+            prefix: None,
+            inflight: true,
+            session: Some(affinity::key("m", "roaming")),
+            response: None,
+            bound_tokens: 64 * 16,
+        };
+        other.apply_remote(&d);
+        let a = route(&other, &turn(7777, Some("roaming"), None)).expect("route");
+        assert_eq!(a.pod, "10.0.0.2:8000");
     }
 
     /// A route answered after its caller's deadline (a slow first turn, a busy sidecar)
@@ -644,6 +800,7 @@ mod tests {
             prompt_tokens: 9 * 64,
             request_id: Some(format!("r{i}")),
             session: None,
+            previous_response: None,
             role: None,
             dry_run: false,
             explain: false,
@@ -688,6 +845,9 @@ mod tests {
             blocks: 9,
             prefix: Some(8),
             inflight: true,
+            session: None,
+            response: None,
+            bound_tokens: 0,
         };
         let n = |sc: &Sidecar| sc.ledger().prefix_inflight(8).get("10.0.0.1:8000").copied();
         sc.apply_remote(&delta(LoadOp::Add, "x1"));

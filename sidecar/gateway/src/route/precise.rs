@@ -46,7 +46,7 @@ fn tokens_of(
     let toks = sc.tokenizers();
     let t = toks.get(&req.model).ok_or("no_tokenizer")?;
     let ids = t
-        .tokenize_json(body.chat, body.fields.get())
+        .tokenize_api(body.chat, body.api, body.fields.get())
         .map_err(|e| e.reason())?;
     let block_size = sc.config().block_size(&req.model, Mode::Tokens);
     let ns = Namespace {
@@ -65,6 +65,7 @@ fn tokens_of(
         prompt_tokens: u32::try_from(ids.len()).unwrap_or(u32::MAX),
         request_id: req.request_id.clone(),
         session: req.session.clone(),
+        previous_response: req.previous_response.clone(),
         role: req.role,
         dry_run: req.dry_run,
         explain: req.explain,

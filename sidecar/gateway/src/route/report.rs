@@ -1,13 +1,14 @@
 //! Completion reports: the circuit breaker hears the status, the ledger releases the
 //! decision the report names (once), predicted residency learns from the engine's
-//! `cached_tokens`, and decisions made from engine events are checked against it
-//! (`agreement`).
+//! `cached_tokens`, decisions made from engine events are checked against it
+//! (`agreement`), and a Responses id is bound to the pod that stored it (`affinity`).
 
 use std::time::Instant;
 
 use kvroute_shared::protocol::CompletionReport;
 use kvroute_shared::Mode;
 
+use crate::affinity::{self, Bound, Kind};
 use crate::agreement::Outcome;
 use crate::ledger::Release;
 use crate::state::Sidecar;
@@ -39,8 +40,33 @@ pub fn report_at(sc: &Sidecar, r: &CompletionReport, now: Instant) {
         (None, false) => "unknown",
     };
     sc.metrics.report_decisions.inc(outcome, 1);
-    let Some((d, deltas)) = released else { return };
+    let Some((d, mut deltas)) = released else {
+        return;
+    };
     sc.metrics.load_released.inc(Release::Report.label(), 1);
+    // A Responses id the engine gave: the next turn naming it belongs where it was
+    // stored, credited with this turn's prompt and output (its history then).
+    if let Some(id) = r.response_id.as_deref().filter(|_| r.status / 100 == 2) {
+        let key = affinity::key(&d.placement.model, id);
+        let tokens = r.prompt_tokens.map_or(
+            d.placement.prefill_tokens + d.placement.expected_cached,
+            u64::from,
+        ) + r.completion_tokens.map_or(0, u64::from);
+        if let Some(delta) = deltas.first_mut() {
+            delta.response = Some(key);
+            delta.bound_tokens = tokens;
+        }
+        sc.bindings.bind(
+            Kind::Response,
+            key,
+            Bound {
+                pod: d.placement.pod.clone(),
+                tokens,
+            },
+            now,
+            cfg.max_bindings as usize,
+        );
+    }
     sc.publish(deltas);
     let (p, cache_pod) = (&d.placement, d.cache_pod());
     let from_cache_pod = **cache_pod == *r.pod;

@@ -15,6 +15,10 @@ pub enum TokenizeError {
     /// The request body is not a chat/completions body.
     BadRequest(String),
     Encode(String),
+    /// A request shape whose engine-side conversion is not mirrored exactly (a Messages
+    /// block vLLM handles by the clock or by state, the Responses API): routed by its
+    /// text chain rather than by tokens that might be wrong.
+    Unsupported(&'static str),
 }
 
 impl TokenizeError {
@@ -26,6 +30,7 @@ impl TokenizeError {
             TokenizeError::Multimodal => "multimodal",
             TokenizeError::BadRequest(_) => "bad_request",
             TokenizeError::Encode(_) => "encode_error",
+            TokenizeError::Unsupported(_) => "unsupported",
         }
     }
 }
@@ -41,6 +46,9 @@ impl std::fmt::Display for TokenizeError {
             }
             TokenizeError::BadRequest(e) => write!(f, "{e}"),
             TokenizeError::Encode(e) => write!(f, "encoding: {e}"),
+            TokenizeError::Unsupported(what) => {
+                write!(f, "{what} is not mirrored exactly; routed by prediction")
+            }
         }
     }
 }

@@ -27,6 +27,7 @@
 //! whose added tokens strip whitespace or match on normalized text (with a normalizer
 //! that changes text) gets no cache: every request is encoded whole, still exactly.
 
+mod agent;
 mod budget;
 mod cache;
 mod chat;
@@ -65,6 +66,9 @@ pub struct ModelTokenizer {
     specials: HashMap<&'static str, String>,
     splitter: Option<Splitter>,
     cache: SegmentCache,
+    /// vLLM's probes of the template for Messages requests (`agent.rs`), once each.
+    merge_inline_system: std::sync::OnceLock<bool>,
+    disabled_effort: std::sync::OnceLock<&'static str>,
 }
 
 /// One piece of text between added tokens.
@@ -125,6 +129,8 @@ impl ModelTokenizer {
             specials,
             splitter,
             cache: SegmentCache::new(cache_bytes),
+            merge_inline_system: std::sync::OnceLock::new(),
+            disabled_effort: std::sync::OnceLock::new(),
         })
     }
 
@@ -200,6 +206,8 @@ impl ModelTokenizer {
     pub fn with_chat_template(mut self, file: &Path) -> Result<ModelTokenizer, TokenizeError> {
         let source = std::fs::read_to_string(file).map_err(|e| load_err(file, e))?;
         self.env = Some(template::environment(source).map_err(|e| load_err(file, e))?);
+        self.merge_inline_system = std::sync::OnceLock::new();
+        self.disabled_effort = std::sync::OnceLock::new();
         Ok(self)
     }
 
@@ -230,6 +238,43 @@ impl ModelTokenizer {
     /// path: parsed once, straight into the template's values).
     pub fn tokenize_json(&self, chat: bool, json: &str) -> Result<Vec<u32>, TokenizeError> {
         self.tokenize_value(chat, &parse_body(json)?)
+    }
+
+    /// The token ids of a request's template fields from the API they were sent to:
+    /// Messages bodies are first made the chat request vLLM makes of them (`agent.rs`);
+    /// Responses bodies are not mirrored yet and keep their text chain.
+    pub fn tokenize_api(
+        &self,
+        chat: bool,
+        api: Option<kvroute_shared::protocol::PromptApi>,
+        json: &str,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        use kvroute_shared::protocol::PromptApi;
+        match api {
+            None | Some(PromptApi::Chat) | Some(PromptApi::Completions) => {
+                self.tokenize_json(chat, json)
+            }
+            Some(api) => {
+                let body: Value = serde_json::from_str(json)
+                    .map_err(|e| TokenizeError::BadRequest(e.to_string()))?;
+                self.tokenize_for(api, &body)
+            }
+        }
+    }
+
+    /// The token ids of a request body sent to `api`'s endpoint.
+    pub fn tokenize_for(
+        &self,
+        api: kvroute_shared::protocol::PromptApi,
+        body: &Value,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        use kvroute_shared::protocol::PromptApi;
+        match api {
+            PromptApi::Completions => self.tokenize_request(false, body),
+            PromptApi::Chat => self.tokenize_request(true, body),
+            PromptApi::Messages => self.tokenize_request(true, &self.messages_to_chat(body)?),
+            PromptApi::Responses => Err(TokenizeError::Unsupported("the Responses API")),
+        }
     }
 
     fn tokenize_value(

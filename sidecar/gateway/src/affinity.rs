@@ -1,0 +1,262 @@
+//! Bindings of conversations to pods: a session key to the pod its last turn was routed
+//! to, and a Responses response id to the pod that produced (and stored) it.
+//!
+//! They are facts the policy weighs like cache hits (`Candidate::bound`), never vetoes:
+//! a binding to a pod that is gone, draining, broken or over its bounded load is simply
+//! not a candidate's, and the next decision rebinds. A session binding credits its pod
+//! with a share (`session_weight`) of the prompt its last turn sent — what the pod
+//! probably still holds when the index cannot say (cold index, restarted sidecar,
+//! engines without events). A response binding credits the whole conversation the engine
+//! stored, which the request does not carry (`previous_response_id`): every other pod
+//! would have to rebuild it, and vLLM answers 404 for a response it does not hold.
+//!
+//! Keys are hashed with the model (xxh3 of `model ++ 0 ++ key`), so an entry is a fixed
+//! 40-odd bytes whatever the client sent; each table is bounded in count (oldest bound
+//! first out) and by a TTL since the last use. Other replicas learn bindings from the
+//! load deltas the decisions already broadcast (`LoadDelta::session`, `::response`).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+/// What a binding says: the pod, and the prompt tokens it is credited with there (the
+/// bound turn's prompt; for a response, its prompt and output: the next turn's history).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bound {
+    pub pod: Arc<str>,
+    pub tokens: u64,
+}
+
+#[derive(Debug)]
+struct Entry {
+    bound: Bound,
+    at: Instant,
+}
+
+/// One bounded table of bindings.
+#[derive(Debug)]
+struct Table {
+    map: HashMap<u64, Entry>,
+    /// Keys in binding order, with the time they were bound; an entry rebound later
+    /// leaves a stale item here, skipped when it comes up.
+    order: VecDeque<(u64, Instant)>,
+}
+
+impl Table {
+    fn new() -> Table {
+        Table {
+            map: HashMap::new(),
+            order: VecDeque::new(),
+        }
+    }
+
+    fn bind(&mut self, key: u64, bound: Bound, now: Instant, max: usize) {
+        self.map.insert(key, Entry { bound, at: now });
+        self.order.push_back((key, now));
+        while self.map.len() > max.max(1) {
+            self.pop_oldest();
+        }
+        // Stale items stay bounded too.
+        if self.order.len() > 2 * max.max(1) + 64 {
+            let map = &self.map;
+            self.order
+                .retain(|(k, at)| map.get(k).is_some_and(|e| e.at == *at));
+        }
+    }
+
+    fn pop_oldest(&mut self) -> Option<Instant> {
+        while let Some((k, at)) = self.order.pop_front() {
+            if self.map.get(&k).is_some_and(|e| e.at == at) {
+                self.map.remove(&k);
+                return Some(at);
+            }
+        }
+        None
+    }
+
+    fn get(&self, key: u64, now: Instant, ttl: Duration) -> Option<&Bound> {
+        self.map
+            .get(&key)
+            .filter(|e| now.saturating_duration_since(e.at) <= ttl)
+            .map(|e| &e.bound)
+    }
+
+    fn expire(&mut self, now: Instant, ttl: Duration) -> usize {
+        let mut n = 0;
+        while let Some(&(k, at)) = self.order.front() {
+            let live = self.map.get(&k).is_some_and(|e| e.at == at);
+            if live && now.saturating_duration_since(at) <= ttl {
+                break;
+            }
+            self.order.pop_front();
+            if live {
+                self.map.remove(&k);
+                n += 1;
+            }
+        }
+        n
+    }
+}
+
+/// Which table a binding is in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Session,
+    Response,
+}
+
+impl Kind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Session => "session",
+            Kind::Response => "response",
+        }
+    }
+}
+
+/// The key of `key` for `model`.
+pub fn key(model: &str, key: &str) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(model.as_bytes());
+    h.update(&[0]);
+    h.update(key.as_bytes());
+    h.digest()
+}
+
+/// The sidecar's bindings, one table per kind behind one lock each.
+#[derive(Debug)]
+pub struct Bindings {
+    sessions: Mutex<Table>,
+    responses: Mutex<Table>,
+}
+
+impl Default for Bindings {
+    fn default() -> Self {
+        Bindings {
+            sessions: Mutex::new(Table::new()),
+            responses: Mutex::new(Table::new()),
+        }
+    }
+}
+
+/// Bytes one binding costs, counted generously (map slot, order item, the pod's `Arc`).
+pub const BYTES_PER_BINDING: usize = 96;
+
+impl Bindings {
+    fn table(&self, kind: Kind) -> &Mutex<Table> {
+        match kind {
+            Kind::Session => &self.sessions,
+            Kind::Response => &self.responses,
+        }
+    }
+
+    /// Bind `key` to `bound` (replacing what it was bound to), at most `max` per kind.
+    pub fn bind(&self, kind: Kind, key: u64, bound: Bound, now: Instant, max: usize) {
+        self.table(kind).lock().bind(key, bound, now, max);
+    }
+
+    /// The binding of `key`, unless it is older than `ttl`.
+    pub fn get(&self, kind: Kind, key: u64, now: Instant, ttl: Duration) -> Option<Bound> {
+        self.table(kind).lock().get(key, now, ttl).cloned()
+    }
+
+    /// Drop bindings unused for longer than `ttl`, and any over `max` (the cleaner's
+    /// tick, so a lowered limit takes effect). Returns how many went.
+    pub fn expire(&self, now: Instant, ttl: Duration, max: usize) -> usize {
+        let mut n = 0;
+        for kind in [Kind::Session, Kind::Response] {
+            let mut t = self.table(kind).lock();
+            n += t.expire(now, ttl);
+            while t.map.len() > max {
+                t.pop_oldest();
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Bindings held, per kind.
+    pub fn len(&self, kind: Kind) -> usize {
+        self.table(kind).lock().map.len()
+    }
+
+    /// For `/v1/status`: counts per kind, the limit, and the bytes they may take.
+    pub fn status(&self, max: u64) -> serde_json::Value {
+        let mut v = serde_json::Map::new();
+        for kind in [Kind::Session, Kind::Response] {
+            v.insert(kind.as_str().into(), self.len(kind).into());
+        }
+        v.insert("max_per_kind".into(), max.into());
+        v.insert(
+            "max_bytes".into(),
+            (2 * max as usize * BYTES_PER_BINDING).into(),
+        );
+        serde_json::Value::Object(v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn b(pod: &str, tokens: u64) -> Bound {
+        Bound {
+            pod: Arc::from(pod),
+            tokens,
+        }
+    }
+
+    #[test]
+    fn a_binding_is_replaced_bounded_and_expires() {
+        let (bs, t0, ttl) = (Bindings::default(), Instant::now(), Duration::from_secs(60));
+        let k = key("m", "session-1");
+        assert_ne!(k, key("m2", "session-1"), "the model is in the key");
+        bs.bind(Kind::Session, k, b("a", 10), t0, 4);
+        bs.bind(Kind::Session, k, b("b", 12), t0 + Duration::from_secs(1), 4);
+        assert_eq!(bs.get(Kind::Session, k, t0, ttl), Some(b("b", 12)));
+        assert_eq!(bs.get(Kind::Response, k, t0, ttl), None, "kinds are apart");
+        assert_eq!(bs.len(Kind::Session), 1);
+        // Past the TTL it is not used, and the cleaner drops it.
+        let late = t0 + Duration::from_secs(62);
+        assert_eq!(bs.get(Kind::Session, k, late, ttl), None);
+        assert_eq!(bs.expire(late, ttl, 4), 1);
+        assert_eq!(bs.len(Kind::Session), 0);
+        // At most `max`: the oldest bound goes first, a rebound one counts as new.
+        for i in 0..10u64 {
+            bs.bind(
+                Kind::Response,
+                i,
+                b("a", 1),
+                t0 + Duration::from_millis(i),
+                4,
+            );
+            bs.bind(
+                Kind::Response,
+                0,
+                b("a", 1),
+                t0 + Duration::from_millis(i),
+                4,
+            );
+        }
+        assert_eq!(bs.len(Kind::Response), 4);
+        assert!(bs.get(Kind::Response, 0, t0, ttl).is_some());
+        assert!(bs.get(Kind::Response, 9, t0, ttl).is_some());
+        assert!(bs.get(Kind::Response, 1, t0, ttl).is_none());
+        // A flood of rebinds of one key keeps the order queue bounded.
+        for i in 0..10_000u64 {
+            bs.bind(
+                Kind::Session,
+                7,
+                b("a", 1),
+                t0 + Duration::from_micros(i),
+                4,
+            );
+        }
+        assert!(bs.sessions.lock().order.len() <= 2 * 4 + 64 + 1);
+        // A lowered limit is applied by the cleaner.
+        assert_eq!(bs.expire(t0, ttl, 2), 2);
+        assert_eq!(bs.len(Kind::Response), 2);
+    }
+}
