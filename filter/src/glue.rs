@@ -564,11 +564,17 @@ impl HttpContext for Http {
             duration_ms,
             head.as_ref().and_then(Head::response_id),
         );
-        let batch = sh
-            .reports
-            .try_borrow_mut()
-            .ok()
-            .and_then(|mut q| q.push(&body));
+        // A Responses id binds the next turn, which the client may send at once: that
+        // report leaves now, with whatever is queued, instead of on the flush tick.
+        let urgent = head.is_some();
+        let batch = sh.reports.try_borrow_mut().ok().and_then(|mut q| {
+            let full = q.push(&body);
+            if urgent && full.is_none() {
+                q.take()
+            } else {
+                full
+            }
+        });
         sh.send_reports(batch);
     }
 }

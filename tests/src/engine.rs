@@ -34,6 +34,7 @@ use serde_json::{json, Value};
 
 use crate::bench::Rng;
 use crate::cache::BlockCache;
+use crate::engine_api::{stream_end, stream_start, stream_token, Api, Counts, Reply};
 use crate::vllm_pub::VllmPublisher;
 use kvroute_bridge::sink::EventSink;
 
@@ -140,6 +141,8 @@ struct Engine {
     /// vLLM-style events (`--zmq-events`), in place of kvroute's.
     vllm: Option<Mutex<VllmPublisher>>,
     served: AtomicU64,
+    /// Responses this engine stored (a later turn may continue only its own).
+    responses: Mutex<crate::engine_api::ResponseStore>,
 }
 
 impl Engine {
@@ -174,9 +177,31 @@ impl Engine {
         let _ = self.events.send(b);
     }
 
-    /// Tokens of a request body (completions: token ids or text; chat: the template).
+    /// Tokens of a request body (completions: token ids or text; chat and Messages: the
+    /// template; Responses: its text, after the stored conversation it continues).
     fn tokenize(&self, path: &str, v: &Value) -> Result<Vec<u32>, String> {
-        let chat = path.ends_with("/chat/completions");
+        let api = Api::of(path);
+        let chat = api == Api::Chat;
+        if matches!(api, Api::Messages | Api::Responses) {
+            if let (Some(t), Api::Messages) = (&self.model_tok, api) {
+                return t
+                    .tokenize_for(kvroute_shared::protocol::PromptApi::Messages, v)
+                    .map_err(|e| e.to_string());
+            }
+            let text = crate::engine_api::agent_text(api, v)?;
+            let mut toks = match &self.model_tok {
+                Some(t) => t.encode(&text, false).map_err(|e| e.to_string())?,
+                None => self.tokenizer.encode_ordinary(&text),
+            };
+            if let Some(prev) = v["previous_response_id"].as_str() {
+                let store = self.responses.lock();
+                let history = store
+                    .get(prev)
+                    .ok_or_else(|| format!("{NOT_STORED}{prev}"))?;
+                toks.splice(0..0, history.iter().copied());
+            }
+            return Ok(toks);
+        }
         if let Some(t) = &self.model_tok {
             let text_prompt = v["prompt"].is_string()
                 || v["prompt"]
@@ -234,6 +259,10 @@ impl Engine {
     }
 }
 
+/// The start of the error a Responses request gets for a response this engine does not
+/// hold (vLLM answers 404: its store is per server).
+const NOT_STORED: &str = "Response not found: ";
+
 fn unix_now() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -276,6 +305,7 @@ pub async fn run(args: EngineArgs) -> anyhow::Result<()> {
         events: tx,
         vllm,
         served: AtomicU64::new(0),
+        responses: Mutex::new(crate::engine_api::ResponseStore::new(4096)),
         args,
     });
     tokio::spawn(event_sender(eng.clone(), rx));
@@ -283,6 +313,8 @@ pub async fn run(args: EngineArgs) -> anyhow::Result<()> {
     let app = Router::new()
         .route("/v1/completions", post(complete))
         .route("/v1/chat/completions", post(complete))
+        .route("/v1/messages", post(complete))
+        .route("/v1/responses", post(complete))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { "ok" }))
         .route("/kvroute/dump", get(dump))
@@ -453,11 +485,12 @@ async fn complete(State(eng): State<Arc<Engine>>, uri: axum::http::Uri, body: By
                 .into_response()
         }
         Err(e) => {
-            return (
-                StatusCode::BAD_REQUEST,
-                Json(json!({"error": {"message": e}})),
-            )
-                .into_response()
+            let status = if e.starts_with(NOT_STORED) {
+                StatusCode::NOT_FOUND
+            } else {
+                StatusCode::BAD_REQUEST
+            };
+            return (status, Json(json!({"error": {"message": e}}))).into_response();
         }
     };
     let max_tokens = v["max_tokens"].as_u64().unwrap_or(16).clamp(1, 4096);
@@ -466,7 +499,7 @@ async fn complete(State(eng): State<Arc<Engine>>, uri: axum::http::Uri, body: By
         .as_bool()
         .unwrap_or(false);
     let salt = v["cache_salt"].as_str().unwrap_or("").to_string();
-    let chat = uri.path().ends_with("/chat/completions");
+    let api = Api::of(uri.path());
 
     // Queue for a batch slot (FIFO), then prefill (serialized), then decode.
     eng.waiting.fetch_add(1, Ordering::Relaxed);
@@ -513,9 +546,34 @@ async fn complete(State(eng): State<Arc<Engine>>, uri: axum::http::Uri, body: By
     let cached_tokens =
         (cached_blocks as u64 * eng.args.block_size as u64).min(tokens.len() as u64);
     let ttft_ms = t_arrive.elapsed().as_secs_f64() * 1e3;
-    let usage = json!({"prompt_tokens": tokens.len(), "completion_tokens": max_tokens,
-                       "total_tokens": tokens.len() as u64 + max_tokens,
-                       "prompt_tokens_details": {"cached_tokens": cached_tokens}});
+    let counts = Counts {
+        prompt: tokens.len() as u64,
+        cached: cached_tokens,
+        output: max_tokens,
+    };
+    let text: String = (0..max_tokens).map(|i| format!("t{i} ")).collect();
+    let id = if api == Api::Responses {
+        let mut store = eng.responses.lock();
+        let id = store.new_id(&eng.pod);
+        if v["store"].as_bool() != Some(false) {
+            // The conversation so far, for a later turn naming this response.
+            let mut all = tokens.clone();
+            match &eng.model_tok {
+                Some(t) => all.extend(t.encode(&text, false).unwrap_or_default()),
+                None => all.extend(eng.tokenizer.encode_ordinary(&text)),
+            }
+            store.put(id.clone(), all);
+        }
+        id
+    } else {
+        format!(
+            "msg_{}_{}",
+            eng.served.load(Ordering::Relaxed),
+            tokens.len()
+        )
+    };
+    let model = eng.args.model.clone();
+    let previous = v["previous_response_id"].as_str().map(str::to_owned);
     let eng2 = eng.clone();
     let finish = move || {
         eng2.running.fetch_sub(1, Ordering::Relaxed);
@@ -527,27 +585,26 @@ async fn complete(State(eng): State<Arc<Engine>>, uri: axum::http::Uri, body: By
         let eng3 = eng.clone();
         tokio::spawn(async move {
             let _permit = permit;
+            let reply = Reply {
+                id: &id,
+                model: &model,
+                previous: previous.as_deref(),
+            };
+            let mut ok = tx
+                .send(Ok(Bytes::from(stream_start(api, &reply, counts))))
+                .await
+                .is_ok();
             for i in 0..max_tokens {
-                let chunk = if chat {
-                    json!({"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": format!("t{i} ")}}], "usage": null})
-                } else {
-                    json!({"object": "text_completion", "choices": [{"index": 0, "text": format!("t{i} ")}], "usage": null})
-                };
-                if tx
-                    .send(Ok(Bytes::from(format!("data: {chunk}\n\n"))))
-                    .await
-                    .is_err()
-                {
+                if !ok {
                     break;
                 }
+                let chunk = stream_token(api, &reply, i, &format!("t{i} "));
+                ok = tx.send(Ok(Bytes::from(chunk))).await.is_ok();
                 let running = eng3.running.load(Ordering::Relaxed) as usize;
                 tokio::time::sleep(eng3.scaled(eng3.cost().decode_step_s(running))).await;
             }
-            if include_usage {
-                let last = json!({"object": "chunk", "choices": [], "usage": usage});
-                let _ = tx.send(Ok(Bytes::from(format!("data: {last}\n\n")))).await;
-            }
-            let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
+            let end = stream_end(api, &reply, &text, counts, include_usage);
+            let _ = tx.send(Ok(Bytes::from(end))).await;
             finish();
         });
         return Response::builder()
@@ -565,14 +622,12 @@ async fn complete(State(eng): State<Arc<Engine>>, uri: axum::http::Uri, body: By
     }
     drop(permit);
     finish();
-    let text: String = (0..max_tokens).map(|i| format!("t{i} ")).collect();
-    let choice = if chat {
-        json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
-    } else {
-        json!({"index": 0, "text": text, "finish_reason": "length"})
+    let reply = Reply {
+        id: &id,
+        model: &model,
+        previous: previous.as_deref(),
     };
-    let resp = json!({"id": format!("cmpl-{}", eng.served.load(Ordering::Relaxed)), "object": if chat {"chat.completion"} else {"text_completion"},
-                      "model": eng.args.model, "choices": [choice], "usage": usage});
+    let resp = crate::engine_api::body(api, &reply, &text, counts);
     (
         [
             ("x-pod", pod),

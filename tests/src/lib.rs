@@ -7,6 +7,7 @@ pub mod cache;
 pub mod client;
 pub mod demo;
 pub mod engine;
+pub mod engine_api;
 pub mod envoy;
 pub mod procs;
 pub mod radix;

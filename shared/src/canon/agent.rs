@@ -136,12 +136,8 @@ pub(crate) fn write_tools(sink: &mut impl Sink, tools: Option<&RawValue>) {
 /// Messages `system`: a string, or text blocks (billing headers skipped).
 pub(crate) fn write_system(sink: &mut impl Sink, system: Option<&Content<'_>>) {
     match system {
-        None => {}
-        Some(Content::Text(t)) => {
-            if !t.is_empty() {
-                record(sink, b'S', t.as_bytes())
-            }
-        }
+        Some(Content::Text(t)) if !t.is_empty() => record(sink, b'S', t.as_bytes()),
+        None | Some(Content::Text(_)) => {}
         Some(Content::Parts(parts)) => {
             for raw in parts {
                 match serde_json::from_str::<Block<'_>>(raw.get()) {

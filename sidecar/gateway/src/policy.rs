@@ -16,7 +16,9 @@
 //!   routing prefix, so a shared system prompt cannot pin all traffic to one pod, and
 //!   among pods whose engines report no request waiting for a batch slot; ties go
 //!   to the rendezvous hash of the first block no pod holds, so independent replicas agree;
-//!   with a temperature, a softmax sample instead of the argmin.
+//!   with a temperature, a softmax sample instead of the argmin. A pod that stores the
+//!   conversation a request continues (`Candidate::pinned`) is chosen whenever it is
+//!   within the bounded load.
 
 use kvroute_shared::protocol::{PolicyConfig, Role, Tier, TierHint};
 
@@ -105,6 +107,10 @@ pub struct Candidate {
     /// Blocks a binding credits to this pod (its session's last turn went here, or the
     /// response this request continues is stored here; see the sidecar's `affinity`).
     pub bound: f64,
+    /// The pod stores the conversation this request continues (a Responses
+    /// `previous_response_id`): no other pod can serve it, so it is chosen whenever it
+    /// is within the bounded load.
+    pub pinned: bool,
 }
 
 /// The request's side of the decision.
@@ -320,7 +326,12 @@ pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Rankin
     // Nobody passes the guard only in degenerate cases; then the guard steps aside.
     let any_ok = order.iter().any(|o| o.within_balance);
     let eligible = |o: &Rank| o.within_balance || !any_ok;
-    let pick = if cfg.temperature > 0.0 {
+    let pinned = order
+        .iter()
+        .position(|o| cands[o.candidate].pinned && eligible(o));
+    let pick = if let Some(p) = pinned {
+        p
+    } else if cfg.temperature > 0.0 {
         softmax_pick(cfg.temperature, ask.seed, &order, eligible)
     } else {
         let margin = if ask.spread_ties {
@@ -423,6 +434,7 @@ mod tests {
             tiers: None,
             stale: false,
             bound: 0.0,
+            pinned: false,
             load: LoadView {
                 pending_prefill_tokens: pending,
                 decode_blocks: 0,

@@ -286,9 +286,12 @@ fn lookup(sc: &Sidecar, req: &RouteRequest, now: Instant) -> Facts {
         let k = affinity::key(&req.model, s);
         (k, sc.bindings.get(Kind::Session, k, now, ttl))
     });
+    // A continued response not bound (yet: its report may still be on its way) is most
+    // likely where its session's last turn went, with that turn's whole conversation.
     let response = req.previous_response.as_deref().and_then(|r| {
         sc.bindings
             .get(Kind::Response, affinity::key(&req.model, r), now, ttl)
+            .or_else(|| session.as_ref().and_then(|(_, b)| b.clone()))
     });
     Facts {
         index,
@@ -416,6 +419,7 @@ impl<'a> Route<'a> {
                     stale: p.stale,
                     load: p.load_view(load, now),
                     bound: self.bound_blocks(&id),
+                    pinned: facts.response.as_ref().is_some_and(|r| r.pod == id),
                 };
                 Some(PodCandidate { candidate, pod: id })
             })

@@ -146,7 +146,7 @@ impl ModelTokenizer {
                 Some(Value::Array(blocks)) => convert_blocks(role, blocks, &mut msg, &mut out)?,
                 _ => return Err(bad("a message's content is a string or a list of blocks")),
             }
-            if !(role == "user" && !msg.contains_key("content")) {
+            if role != "user" || msg.contains_key("content") {
                 out.push(Value::Object(msg));
             }
         }

@@ -1,0 +1,254 @@
+//! Coding agents' APIs end to end: the real Anthropic Python client (`messages.create`
+//! and `messages.stream`, with tools, tool results, moving cache markers and Claude
+//! Code's billing header) and the real OpenAI client's Responses API (`responses.create`,
+//! streamed and not, every later turn naming `previous_response_id`) through Envoy and the
+//! filter, to engine simulators that publish vLLM's events through bridges.
+//!
+//! Messages are routed precisely (the sidecar converts them as vLLM does and tokenizes
+//! with the model's directory, so decisions come from the engines' events); Responses
+//! turns carry only their new input and reach the pod that stored the conversation by
+//! its response binding. Then a second gateway replica continues the same sessions from
+//! the bindings it heard over NATS, and a pod removed mid-session is left at once.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use kvroute_tests::client::Api;
+use kvroute_tests::envoy::{Envoy, EnvoyLayout, Fallback, SidecarAddr};
+use kvroute_tests::services::SidecarProc;
+use kvroute_tests::stack::{Stack, StackOpts};
+use serde_json::Value;
+
+fn run(
+    url: &str,
+    sessions: usize,
+    turns: usize,
+    phase: &str,
+    apis: &str,
+    state: &str,
+) -> Vec<Value> {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("e2e/agent_sessions.py");
+    let out = Command::new("python3")
+        .arg(script)
+        .args([url, &sessions.to_string(), &turns.to_string(), phase])
+        .env("KVROUTE_APIS", apis)
+        .env("KVROUTE_RESP_STATE", state)
+        .output()
+        .expect("python3");
+    assert!(
+        out.status.success(),
+        "anthropic/openai clients (make tokenizer-deps installs them): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// The pod of each (api, session), asserting every turn was on it and, after the
+/// first, served mostly from the engine's cache.
+fn pods_per_session(turns: &[Value], first_is_cold: bool) -> Vec<(String, u64, String)> {
+    let mut out: Vec<(String, u64, String)> = Vec::new();
+    for t in turns {
+        let key = (
+            t["api"].as_str().unwrap_or_default().to_string(),
+            t["session"].as_u64().unwrap_or(0),
+        );
+        let pod = t["pod"].as_str().unwrap_or_default().to_string();
+        match out.iter().find(|(a, s, _)| (a, s) == (&key.0, &key.1)) {
+            Some((_, _, p)) => assert_eq!(*p, pod, "a later turn stays on its session's pod: {t}"),
+            None => out.push((key.0, key.1, pod)),
+        }
+        let (cached, prompt) = (
+            t["cached_tokens"].as_u64().unwrap_or(0),
+            t["prompt_tokens"].as_u64().unwrap_or(0),
+        );
+        if !(first_is_cold && t["turn"] == 0) {
+            assert!(
+                cached * 10 >= prompt * 7,
+                "served from the engine's cache: {t}"
+            );
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_sessions_stay_with_their_pods() {
+    let dir = kvroute_tests::fixture_model_dir("deepseek-tools").expect("model dir");
+    let stack = Stack::start(StackOpts {
+        engine_args: kvroute_tests::stack::engine_args(4096, 8000, 10, 0.2),
+        vllm_events: true,
+        model_dir: Some(dir.clone()),
+        ..StackOpts::default()
+    })
+    .await
+    .expect("stack");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let state = tmp.path().join("responses.json").display().to_string();
+    let url = stack.envoy.url("");
+    let (u, st) = (url.clone(), state.clone());
+    let first = tokio::task::spawn_blocking(move || run(&u, 3, 4, "a", "messages,responses", &st))
+        .await
+        .expect("join");
+    assert_eq!(first.len(), 24, "{first:?}");
+    let homes = pods_per_session(&first, true);
+    assert_eq!(homes.len(), 6);
+    assert!(
+        homes
+            .iter()
+            .map(|h| &h.2)
+            .collect::<std::collections::BTreeSet<_>>()
+            .len()
+            > 1,
+        "sessions spread over pods: {homes:?}"
+    );
+
+    // Messages were tokenized by the sidecar and later turns decided from engine events.
+    let metrics = reqwest::get(format!("http://{}/metrics", stack.sidecar.addr))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .unwrap_or_default();
+    let precise = |outcome: &str| {
+        metrics
+            .lines()
+            .find(|l| {
+                l.starts_with(&format!(
+                    "kvroute_precise_prompts_total{{outcome=\"{outcome}\"}}"
+                ))
+            })
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    assert_eq!(precise("tokens"), 12.0, "every Messages turn in token mode");
+    assert_eq!(
+        precise("unsupported"),
+        12.0,
+        "Responses keep their text chain"
+    );
+    let decisions = stack.api.get("/v1/decisions?limit=24").await.json;
+    let list = decisions["decisions"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let from_events = list
+        .iter()
+        .filter(|d| {
+            d["mode"] == "tokens"
+                && d["candidates"][0]["pod"] == d["pod"]
+                && d["candidates"][0]["matched_blocks"].as_u64().unwrap_or(0) > 10
+        })
+        .count();
+    // Every later turn (9), and first turns that found the shared system prompt.
+    assert!(
+        from_events >= 9,
+        "later Messages turns matched their history: {decisions}"
+    );
+    let status = stack.api.get("/v1/status").await.json;
+    assert_eq!(status["bindings"]["session"], 6, "{}", status["bindings"]);
+    assert_eq!(status["bindings"]["response"], 12, "{}", status["bindings"]);
+
+    // A second gateway replica: its own sidecar (the same NATS) behind its own Envoy.
+    let nats = stack.nats.as_ref().map(|n| n.url()).unwrap_or_default();
+    let tok = format!("--tokenizer=m={}", dir.display());
+    let side2 = SidecarProc::start(&["--nats", &nats, &tok], true).expect("sidecar 2");
+    let api2 = Api::new(side2.addr);
+    for e in &stack.engines {
+        let r = api2
+            .put(
+                &format!("/v1/pods/{}", e.addr),
+                &serde_json::json!({"model": "m"}),
+            )
+            .await;
+        assert_eq!(r.status, 200);
+    }
+    for _ in 0..200 {
+        if api2.metric("kvroute_nats_connected").await == 1.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Bindings made before it started are not replayed; the sessions' next turns on the
+    // first gateway are heard by both.
+    let (u, st) = (url.clone(), state.clone());
+    let again = tokio::task::spawn_blocking(move || run(&u, 3, 1, "b", "responses", &st))
+        .await
+        .expect("join");
+    assert_eq!(again.len(), 3);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let heard = api2.get("/v1/status").await.json;
+    assert_eq!(
+        heard["bindings"]["response"], 3,
+        "replica 2 heard the responses' bindings: {} {}",
+        heard["bindings"], heard["counters"]
+    );
+    let layout = EnvoyLayout {
+        listen_port: 0,
+        sidecar: SidecarAddr::Uds(side2.uds.clone().unwrap_or_default()),
+        engines: stack.engines.iter().map(|e| e.addr).collect(),
+        wasm_path: kvroute_tests::wasm_path(),
+        filter_config: stack.opts.filter_config.clone(),
+        with_filter: true,
+        fallback: Fallback::RoundRobin,
+        access_log: false,
+    };
+    let envoy2 = tokio::task::spawn_blocking(move || Envoy::start(&layout))
+        .await
+        .expect("join")
+        .expect("envoy 2");
+    let (u2, st) = (envoy2.url(""), state.clone());
+    let second = tokio::task::spawn_blocking(move || run(&u2, 3, 3, "c", "responses", &st)).await;
+    if second.is_err() {
+        let d = api2.get("/v1/decisions?limit=6").await.json;
+        panic!("a continued response missed its pod; replica 2 decided: {d}");
+    }
+    let second = second.expect("join");
+    assert_eq!(
+        second.len(),
+        9,
+        "every continued response found its pod: {second:?}"
+    );
+    for t in &second {
+        let home = homes
+            .iter()
+            .find(|h| h.0 == "responses" && Some(h.1) == t["session"].as_u64())
+            .expect("home");
+        assert_eq!(
+            t["pod"].as_str(),
+            Some(home.2.as_str()),
+            "replica 2 honours the binding: {t}"
+        );
+    }
+    let st2 = api2.get("/v1/status").await.json;
+    assert!(
+        st2["bindings"]["response"].as_u64().unwrap_or(0) >= 3,
+        "{}",
+        st2["bindings"]
+    );
+
+    // A pod removed mid-session (its endpoint gone, deregistered on both replicas): the
+    // session's next turn is served elsewhere at once and stays there.
+    let gone = homes
+        .iter()
+        .find(|h| h.0 == "messages" && h.1 == 0)
+        .map(|h| h.2.clone())
+        .expect("session 0");
+    for a in [&stack.api, &api2] {
+        let r = a.delete(&format!("/v1/pods/{gone}")).await;
+        assert!(r.status / 100 == 2, "{}", r.json);
+    }
+    let (u, st) = (url.clone(), state.clone());
+    let moved = tokio::task::spawn_blocking(move || run(&u, 1, 3, "d", "messages", &st))
+        .await
+        .expect("join");
+    assert_eq!(moved.len(), 3);
+    let new_home = pods_per_session(&moved, true);
+    assert_ne!(new_home[0].2, gone, "rebound off the removed pod");
+    drop(envoy2);
+}
