@@ -17,6 +17,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 
+use kvroute_shared::protocol::PromptApi;
 use kvroute_sidecar::ModelTokenizer;
 use proptest::prelude::*;
 use serde_json::Value;
@@ -79,10 +80,28 @@ fn token_ids_match_transformers_on_every_conversation() {
         let chats = cases.iter().filter(|c| c["chat"] == true).count();
         assert!(chats >= 500, "{name}: {chats} conversations");
         let mut bad = Vec::new();
+        let mut messages = 0;
         // Twice: the second pass is served from the segment cache.
         for pass in 0..2 {
             for (i, c) in cases.iter().enumerate() {
                 let chat = c["chat"] == true;
+                if c["api"] == "messages" {
+                    messages += usize::from(pass == 0);
+                    let got = t.tokenize_for(PromptApi::Messages, &c["body"]);
+                    let ok = match c["ids"].is_null() {
+                        true => got.is_err(),
+                        false => got.as_ref() == Ok(&ids(&c["ids"])),
+                    };
+                    if !ok {
+                        let chat = t.messages_to_chat(&c["body"]);
+                        bad.push(format!(
+                            "{name} pass {pass} messages case {i}: got {:?}\nwant {}\nas chat {chat:?}",
+                            got.map(|v| v.len()),
+                            c["ids"].as_array().map_or(0, Vec::len)
+                        ));
+                    }
+                    continue;
+                }
                 let want = ids(&c["ids"]);
                 let got = t.tokenize_request(chat, &c["body"]);
                 if got.as_ref() != Ok(&want) {
@@ -109,7 +128,7 @@ fn token_ids_match_transformers_on_every_conversation() {
         }
         let s = t.cache_stats();
         println!(
-            "{name}: {} requests x2 identical to transformers; segment cache {} entries, {} hits, {} misses, caches segments: {}",
+            "{name}: {} requests ({messages} of them Anthropic Messages) x2 identical to transformers; segment cache {} entries, {} hits, {} misses, caches segments: {}",
             cases.len(),
             s.entries,
             s.hits,
@@ -122,9 +141,10 @@ fn token_ids_match_transformers_on_every_conversation() {
             bad.len(),
             bad[0]
         );
+        assert!(messages >= 250, "{name}: {messages} Messages bodies");
         total += cases.len();
     }
-    assert!(total >= 2400);
+    assert!(total >= 3400);
 }
 
 fn pieces() -> impl Strategy<Value = String> {

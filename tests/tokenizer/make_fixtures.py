@@ -18,8 +18,9 @@ token ids of generated requests:
 For each, chat bodies (`apply_chat_template(messages, tools=..., tokenize=True,
 add_generation_prompt=True, **chat_template_kwargs)`, the messages first passed through
 vLLM's own `_postprocess_messages` — compiled from vLLM's sdist on PyPI, pinned by hash —
-as vLLM's server does) and completions bodies (`tokenizer(prompt)`, special tokens
-added). Usage: make_fixtures.py OUT_DIR [N_CONVERSATIONS] (0: the model directories only). Writes OUT_DIR/<name>/ (a model
+as vLLM's server does), Anthropic Messages bodies (turned into chat requests by vLLM's own
+conversion, `vllm_messages.py`, then the same way) and completions bodies
+(`tokenizer(prompt)`, special tokens added). Usage: make_fixtures.py OUT_DIR [N_CONVERSATIONS] (0: the model directories only). Writes OUT_DIR/<name>/ (a model
 directory) and OUT_DIR/fixtures.json.
 """
 
@@ -164,19 +165,25 @@ VLLM = "0.33.0"
 VLLM_SHA256 = "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"
 
 
-def vllm_postprocess():
-    """vLLM's own `_postprocess_messages` (how its /v1/chat/completions normalizes tool
-    calls before the template runs), taken from vLLM's sdist on PyPI: the module imports
-    torch-era dependencies, so only this function is compiled, from vLLM's source text."""
-    import ast
+VLLM_FILES = [
+    "vllm/renderers/chat_utils/chat_message.py",
+    "vllm/entrypoints/anthropic/protocol.py",
+    "vllm/entrypoints/anthropic/serving.py",
+    "vllm/entrypoints/generate/base/protocol.py",
+    "vllm/entrypoints/openai/chat_completion/protocol.py",
+]
+
+
+def vllm_sources():
+    """The vLLM source files the reference compiles functions from, taken from vLLM's
+    sdist on PyPI (pinned by hash) and cached in OUT."""
     import hashlib
     import io
-    import logging
     import tarfile
     import urllib.parse
     import urllib.request
-    cached = OUT / f"vllm-{VLLM}-chat_message.py"
-    if not cached.exists():
+    cache = OUT / f"vllm-{VLLM}-src"
+    if not all((cache / f).exists() for f in VLLM_FILES):
         # The registry's simple API (what pip reads), the file pinned by its hash.
         index = "https://pypi.org/simple/vllm/"
         req = urllib.request.Request(index, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
@@ -186,9 +193,20 @@ def vllm_postprocess():
         if hashlib.sha256(data).hexdigest() != VLLM_SHA256:
             raise SystemExit(f"vllm-{VLLM}.tar.gz: unexpected sha256")
         with tarfile.open(fileobj=io.BytesIO(data)) as tf:
-            src = tf.extractfile(f"vllm-{VLLM}/vllm/renderers/chat_utils/chat_message.py").read()
-        cached.write_bytes(src)
-    tree = ast.parse(cached.read_text())
+            for f in VLLM_FILES:
+                (cache / f).parent.mkdir(parents=True, exist_ok=True)
+                (cache / f).write_bytes(tf.extractfile(f"vllm-{VLLM}/{f}").read())
+    return {f: (cache / f).read_text() for f in VLLM_FILES}
+
+
+def vllm_postprocess(sources):
+    """vLLM's own `_postprocess_messages` (how its /v1/chat/completions normalizes tool
+    calls before the template runs): the module imports torch-era dependencies, so only
+    this function is compiled, from vLLM's source text."""
+    import ast
+    import logging
+    path = "vllm/renderers/chat_utils/chat_message.py"
+    tree = ast.parse(sources[path])
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_postprocess_messages")
     fn.returns = None
     fn.args.args[0].annotation = None
@@ -198,8 +216,85 @@ def vllm_postprocess():
             super().__init__(msg)
 
     ns = {"json": json, "logger": logging.getLogger("vllm"), "VLLMValidationError": VLLMValidationError}
-    exec(compile(ast.Module(body=[fn], type_ignores=[]), str(cached), "exec"), ns)
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), path, "exec"), ns)
     return ns["_postprocess_messages"]
+
+
+TOOLS_ANTHROPIC = [
+    {"name": "read_file", "description": "Read a file <safely> & \"quickly\".",
+     "input_schema": {"type": "object", "properties": {"path": {"type": "string", "description": "名前"}},
+                      "required": ["path"]}},
+    {"name": "run", "input_schema": {"properties": {"cmd": {"type": "array", "items": {"type": "string"}}}},
+     "strict": True},
+]
+
+
+def messages_body(rng, with_tools):
+    """A Messages body as Claude Code-like agents send them: system as a string or as
+    text blocks (billing header, cache markers), turns with thinking, tool uses and tool
+    results (string or text items), inline system reminders, thinking switches."""
+    billing = {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2; cch={rng.randint(0, 99999):05d};"}
+    r = rng.random()
+    if r < 0.3:
+        system = text(rng, 1, 30)
+    elif r < 0.8:
+        system = [billing] + [{"type": "text", "text": text(rng, 0, 20), "cache_control": {"type": "ephemeral"}}
+                              for _ in range(rng.randint(1, 2))]
+    else:
+        system = None
+    msgs = []
+    for turn in range(rng.randint(1, 4)):
+        user = rng.choice([text(rng, 1, 30), [{"type": "text", "text": text(rng, 1, 30),
+                                               "cache_control": {"type": "ephemeral"}}]])
+        msgs.append({"role": "user", "content": user})
+        if rng.random() < 0.1:
+            msgs.append({"role": "system", "content": rng.choice([text(rng, 1, 8), [billing, {"type": "text", "text": text(rng, 1, 8)}]])})
+        blocks = []
+        if rng.random() < 0.4:
+            blocks.append({"type": "thinking", "thinking": text(rng, 0, 15), "signature": "sig"})
+        if rng.random() < 0.1:
+            blocks.append({"type": "redacted_thinking", "data": "b64data"})
+        if rng.random() < 0.8:
+            blocks.append({"type": "text", "text": text(rng, 1, 25)})
+        calls = []
+        if with_tools and rng.random() < 0.5:
+            for k in range(rng.randint(1, 2)):
+                tid = f"toolu_{turn}_{k}"
+                args = rng.choice([{"path": rng.choice(["src/main.rs", "東京.txt"])}, {},
+                                   {"cmd": ["ls", "-la"], "n": 3, "deep": {"x": None, "y": [1.5, True]}}])
+                blocks.append({"type": "tool_use", "id": tid, "name": rng.choice(["read_file", "run"]), "input": args})
+                calls.append(tid)
+        if not blocks:
+            blocks.append({"type": "text", "text": text(rng, 1, 5)})
+        msgs.append({"role": "assistant", "content": blocks})
+        if calls:
+            results = []
+            for tid in calls:
+                content = rng.choice([text(rng, 0, 15), [{"type": "text", "text": text(rng, 1, 10)} for _ in range(rng.randint(1, 3))], ""])
+                res = {"type": "tool_result", "tool_use_id": tid, "content": content}
+                if rng.random() < 0.2:
+                    res["is_error"] = True
+                results.append(res)
+            if rng.random() < 0.5:
+                results.append({"type": "text", "text": text(rng, 1, 10)})
+            msgs.append({"role": "user", "content": results})
+    if msgs[-1]["role"] != "user":
+        msgs.append({"role": "user", "content": text(rng, 1, 20)})
+    body = {"model": "m", "max_tokens": 4096, "messages": msgs}
+    if system is not None:
+        body["system"] = system
+    if with_tools and rng.random() < 0.7:
+        body["tools"] = TOOLS_ANTHROPIC
+    r = rng.random()
+    if r < 0.15:
+        body["thinking"] = {"type": "disabled"}
+    elif r < 0.3:
+        body["thinking"] = {"type": "enabled", "budget_tokens": 2048}
+    elif r < 0.4:
+        body["output_config"] = {"effort": rng.choice(["low", "high"])}
+    if rng.random() < 0.15:
+        body["chat_template_kwargs"] = {"enable_thinking": rng.random() < 0.5}
+    return body
 
 
 def ids_of(x):
@@ -219,12 +314,28 @@ def main():
         return  # the model directories only (the demo's)
     from transformers import AutoTokenizer
     import copy
-    postprocess = vllm_postprocess()
+    import vllm_messages
+    sources = vllm_sources()
+    postprocess = vllm_postprocess(sources)
+    anthropic = vllm_messages.load(sources)
 
     def engine_view(msgs):
         m = copy.deepcopy(msgs)
         postprocess(m)
         return m
+
+    def chat_view(msgs):
+        # vLLM's chat parser (parse_chat_message_content) keeps an assistant's reasoning,
+        # also as reasoning_content, and nobody else's.
+        out = []
+        for m in msgs:
+            m = dict(m)
+            r = m.pop("reasoning", None)
+            if m["role"] == "assistant" and r is not None:
+                m["reasoning"] = r
+                m["reasoning_content"] = r
+            out.append(m)
+        return engine_view(out)
 
     out = []
     for d, tools in dirs:
@@ -252,6 +363,30 @@ def main():
                 ids = ids_of(tok.apply_chat_template(engine_view(msgs), tools=body.get("tools"), tokenize=True,
                                                      add_generation_prompt=True, **kwargs))
             cases.append({"chat": True, "body": body, "ids": ids})
+        template = json.loads((d / "tokenizer_config.json").read_text())["chat_template"]
+        if isinstance(template, list):
+            template = template[0]["template"]
+
+        def render(msgs, tools_, **kw):
+            return ids_of(tok.apply_chat_template(msgs, tools=tools_, tokenize=True, add_generation_prompt=True, **kw))
+
+        # vLLM's probe for thinking.type=disabled: "none" unless the template rejects it
+        # or renders it as it renders an effort (then "low").
+        try:
+            none = render([{"role": "user", "content": "Hi"}], None, reasoning_effort="none", enable_thinking=False)
+            same = any(render([{"role": "user", "content": "Hi"}], None, reasoning_effort=e, enable_thinking=True) == none
+                       for e in ["low", "medium", "high", "xhigh", "max"])
+            disabled = "low" if same else "none"
+        except Exception:
+            disabled = "low"
+        for i in range(N // 2):
+            body = messages_body(rng, tools)
+            msgs, tools_, kwargs = vllm_messages.chat_request(anthropic, body, template, disabled)
+            try:
+                ids = render(chat_view(msgs), tools_, **kwargs)
+            except Exception as e:  # the template refuses it: so must the sidecar
+                ids = None
+            cases.append({"chat": True, "api": "messages", "body": body, "ids": ids})
         for i in range(N // 5):
             prompt = text(rng, 0, 80)
             cases.append({"chat": False, "body": {"model": "m", "prompt": prompt},

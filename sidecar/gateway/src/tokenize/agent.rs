@@ -16,7 +16,8 @@
 //! user message left without content is dropped. `thinking: {type: disabled}` and
 //! `output_config.effort` set `reasoning_effort` (and `enable_thinking` with it, as vLLM's
 //! chat parameters do); tools become function tools (`description` kept even when null,
-//! `strict` and `defer_loading` only when set). Images and the rarer blocks vLLM handles
+//! a schema without a `type` given `"type": "object"`, `strict` and `defer_loading` only
+//! when set). Images and the rarer blocks vLLM handles
 //! with behaviour we cannot reproduce exactly (`tool_addition`/`tool_removal`, tool
 //! references, an assistant's structured tool result, a tool use without an id — vLLM
 //! names it by the clock) are refused, and the request keeps its text chain.
@@ -328,10 +329,20 @@ fn convert_tools(tools: &Value) -> Result<Value, TokenizeError> {
             "description".into(),
             t.get("description").cloned().unwrap_or(Value::Null),
         );
-        f.insert(
-            "parameters".into(),
-            t.get("input_schema").cloned().unwrap_or(Value::Null),
-        );
+        // vLLM's request model gives a schema without a type `"type": "object"` (last).
+        let mut schema = t.get("input_schema").cloned().unwrap_or(Value::Null);
+        match schema.as_object_mut() {
+            Some(o) if !o.contains_key("type") => {
+                o.insert("type".into(), Value::from("object"));
+            }
+            Some(_) => {}
+            None => {
+                return Err(TokenizeError::BadRequest(
+                    "a tool's input_schema is an object".into(),
+                ))
+            }
+        }
+        f.insert("parameters".into(), schema);
         for key in ["strict", "defer_loading"] {
             if let Some(v) = t.get(key).filter(|v| !v.is_null()) {
                 f.insert(key.into(), v.clone());
