@@ -224,6 +224,52 @@ mod tests {
         );
     }
 
+    /// Hostile response bytes, in random chunks: the scanners answer or not, never panic,
+    /// and an id they return is always a plausible one.
+    #[test]
+    fn random_response_bytes_never_break_the_scanners() {
+        let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let atoms: [&[u8]; 12] = [
+            b"\"id\"",
+            b"\"usage\"",
+            b":",
+            b"{",
+            b"}",
+            b"\"",
+            b"\\",
+            b" ",
+            b"resp_1",
+            b"\"input_tokens\":",
+            b"7",
+            b"\xff\xfe",
+        ];
+        for _ in 0..20_000 {
+            let (mut head, mut tail) = (Head::default(), Tail::new(256 + (next() % 512) as usize));
+            for _ in 0..(next() % 40) {
+                let mut chunk = Vec::new();
+                for _ in 0..(next() % 8) {
+                    chunk.extend_from_slice(atoms[(next() % atoms.len() as u64) as usize]);
+                }
+                head.push(&chunk);
+                tail.push(&chunk);
+            }
+            if let Some(id) = head.response_id() {
+                assert!(
+                    !id.is_empty() && id.len() <= 256 && id.bytes().all(|b| b.is_ascii_graphic())
+                );
+            }
+            let _ = tail
+                .usage()
+                .map(|u| (u.prompt(), u.cached_tokens(), u.completion()));
+        }
+    }
+
     #[test]
     fn the_response_id_is_the_first_id() {
         let id = |chunks: &[&str]| {

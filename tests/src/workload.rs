@@ -67,3 +67,148 @@ pub fn load_mooncake(path: &Path) -> anyhow::Result<Vec<Request>> {
 pub fn default_trace() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/mooncake_synthetic_trace.jsonl")
 }
+
+/// The agentic sessions shipped in the repository (tests/data/agentic, with their
+/// attribution and licence).
+pub fn default_agentic() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("data/agentic/kv-cache-tester-traces.tar.gz")
+}
+
+/// How agentic sessions are replayed.
+#[derive(Clone, Copy, Debug)]
+pub struct AgenticOpts {
+    /// Tokens per block of the replay (a multiple of the traces' 64).
+    pub block_tokens: u32,
+    /// Mean gap between session starts, seconds (Poisson arrivals).
+    pub mean_gap_s: f64,
+    pub seed: u64,
+}
+
+#[derive(Deserialize)]
+struct Session {
+    #[serde(default = "sixty_four")]
+    block_size: u32,
+    requests: Vec<Entry>,
+}
+
+fn sixty_four() -> u32 {
+    64
+}
+
+#[derive(Deserialize)]
+struct Entry {
+    t: f64,
+    #[serde(default, rename = "type")]
+    kind: String,
+    #[serde(default, rename = "in")]
+    input: u32,
+    #[serde(default)]
+    out: u32,
+    #[serde(default)]
+    hash_ids: Vec<u64>,
+    /// A sub-agent's own requests, timed from its `t`.
+    #[serde(default)]
+    requests: Vec<Entry>,
+}
+
+/// Agentic sessions in the kv-cache-tester format (a directory of JSON files, or a
+/// `.tar.gz` of one), as requests: sessions start as a seeded Poisson process, each keeps
+/// its recorded timing (think and tool gaps included; sub-agents at their offsets), and
+/// its 64-token ids are regrouped into `block_tokens` blocks, each hashed with the
+/// block before it and the session (ids are local to a session), so equal prefixes within
+/// a session share blocks and different sessions share none. A sub-agent shares its
+/// parent's ids and so its prefix blocks, and is a session of its own for affinity.
+pub fn load_agentic(path: &Path, o: AgenticOpts) -> anyhow::Result<Vec<Request>> {
+    let mut files: Vec<(String, Vec<u8>)> = Vec::new();
+    if path.is_dir() {
+        for e in std::fs::read_dir(path)? {
+            let p = e?.path();
+            if p.extension().is_some_and(|x| x == "json") {
+                files.push((p.display().to_string(), std::fs::read(&p)?));
+            }
+        }
+    } else {
+        let f = std::fs::File::open(path)
+            .with_context(|| format!("opening sessions {}", path.display()))?;
+        let mut ar = tar::Archive::new(flate2::read::GzDecoder::new(f));
+        for e in ar.entries()? {
+            let mut e = e?;
+            let name = e.path()?.display().to_string();
+            if name.ends_with(".json") {
+                let mut buf = Vec::new();
+                std::io::Read::read_to_end(&mut e, &mut buf)?;
+                files.push((name, buf));
+            }
+        }
+    }
+    // Sorted by name, so a seed always gives the same replay.
+    files.sort();
+    anyhow::ensure!(!files.is_empty(), "no session files in {}", path.display());
+    let mut rng = crate::bench::Rng(o.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let mut start = 0.0f64;
+    let mut out = Vec::new();
+    for (n, (name, bytes)) in files.iter().enumerate() {
+        let s: Session =
+            serde_json::from_slice(bytes).with_context(|| format!("{name}: not a session"))?;
+        anyhow::ensure!(
+            s.block_size > 0 && o.block_tokens.is_multiple_of(s.block_size),
+            "{name}: block size {} does not divide {}",
+            s.block_size,
+            o.block_tokens
+        );
+        let group = (o.block_tokens / s.block_size) as usize;
+        // Exponential gaps: -ln(U) × mean.
+        start += -(1.0 - rng.f64()).max(1e-12).ln() * o.mean_gap_s;
+        let mut sub = 0u64;
+        push_entries(
+            &s.requests,
+            start,
+            n as u64,
+            n as u64,
+            group,
+            &mut sub,
+            &mut out,
+        );
+    }
+    out.sort_by(|a, b| a.ts_ms.total_cmp(&b.ts_ms));
+    Ok(out)
+}
+
+fn push_entries(
+    entries: &[Entry],
+    t0: f64,
+    session: u64,
+    key: u64,
+    group: usize,
+    sub: &mut u64,
+    out: &mut Vec<Request>,
+) {
+    for e in entries {
+        let t = t0 + e.t.max(0.0);
+        if e.kind == "subagent" {
+            *sub += 1;
+            // Its own affinity key; its parent's id space.
+            let k = key ^ (*sub << 40) ^ 0x5u64 << 60;
+            push_entries(&e.requests, t, session, k, group, sub, out);
+            continue;
+        }
+        let mut chain = Vec::with_capacity(e.hash_ids.len() / group);
+        let mut prev = id_hash(session ^ 0xA6E7_1C00_0000_0000);
+        for ids in e.hash_ids.chunks_exact(group) {
+            let mut h = prev;
+            for id in ids {
+                h = id_hash(h ^ id_hash(*id));
+            }
+            chain.push(h);
+            prev = h;
+        }
+        out.push(Request {
+            ts_ms: t * 1e3,
+            input_tokens: e.input,
+            output_tokens: e.out.max(1),
+            chain,
+            session: Some(key),
+        });
+    }
+}

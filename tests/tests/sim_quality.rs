@@ -266,3 +266,52 @@ fn text_chains_at_every_bytes_per_token_keep_their_homes_on_full_caches() {
         );
     }
 }
+
+/// The 80 real Claude Code sessions (tests/data/agentic), on fleets whose caches must
+/// evict (8 × 4,096 and 16 × 2,048 blocks of 512 tokens): kvroute's default has the
+/// lowest mean and p99 TTFT of every policy, plain session affinity included, within the
+/// infinite-cache ceiling's hit rate. (Saturated fleets are the overload issue's; the
+/// balance target there, max/mean ≤ 1.5, is not met yet: 1.74 and 2.19.)
+#[test]
+fn agentic_sessions_beat_every_baseline() {
+    let reqs = kvroute_tests::workload::load_agentic(
+        &kvroute_tests::workload::default_agentic(),
+        kvroute_tests::workload::AgenticOpts {
+            block_tokens: 512,
+            mean_gap_s: 4.0,
+            seed: 1,
+        },
+    )
+    .expect("sessions");
+    assert_eq!(
+        reqs.len(),
+        3600,
+        "the shipped sessions, sub-agents included"
+    );
+    assert!(reqs.windows(2).all(|w| w[0].ts_ms <= w[1].ts_ms));
+    for (pods, capacity) in [(8, 4096), (16, 2048)] {
+        let o = SimOpts::new(pods, capacity, 512);
+        let r = sim::compare("agentic", &reqs, &o, &Policy::ALL);
+        let kv = r
+            .iter()
+            .find(|x| x.policy == "kvroute")
+            .expect("kvroute")
+            .clone();
+        for x in r.iter().filter(|x| x.policy != "kvroute") {
+            assert!(
+                kv.ttft_mean_ms < x.ttft_mean_ms && kv.ttft_p99_ms < x.ttft_p99_ms,
+                "{pods}x{capacity}: kvroute {kv:?} behind {x:?}"
+            );
+        }
+        let bound = sim::infinite_cache_bound(&reqs, &o);
+        assert!(kv.hit_rate >= bound.hit_rate - 0.01, "{kv:?} vs {bound:?}");
+        println!(
+            "{pods}x{capacity}: kvroute hit {:.3} TTFT mean {:.0} ms ({:.2}x the floor) p99 {:.0} ms, max/mean {:.2}",
+            kv.hit_rate,
+            kv.ttft_mean_ms,
+            kv.ttft_mean_ms / bound.ttft_mean_ms,
+            kv.ttft_p99_ms,
+            kv.max_mean_load
+        );
+    }
+}

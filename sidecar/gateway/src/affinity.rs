@@ -5,8 +5,10 @@
 //! a binding to a pod that is gone, draining, broken or over its bounded load is simply
 //! not a candidate's, and the next decision rebinds. A session binding credits its pod
 //! with a share (`session_weight`) of the prompt its last turn sent — what the pod
-//! probably still holds when the index cannot say (cold index, restarted sidecar,
-//! engines without events). A response binding credits the whole conversation the engine
+//! probably still holds — only when the indexes know nothing of the prompt (cold index,
+//! restarted sidecar, a prompt whose front changed): where they do, they are facts and the
+//! binding only a guess (crediting it anyway kept sessions on pods that had evicted them,
+//! and raised max/mean load on the agentic sessions from 1.74 to 1.87). A response binding credits the whole conversation the engine
 //! stored, which the request does not carry (`previous_response_id`): every other pod
 //! would have to rebuild it, and vLLM answers 404 for a response it does not hold.
 //!

@@ -230,6 +230,59 @@ pub fn run(o: &Opts) -> anyhow::Result<Value> {
         render50 as f64 / bare1_50.max(1) as f64
     );
 
+    // 2b. The same for a coding agent on the Messages API: system blocks (a billing
+    // header, cache markers), 20 turns of text, tool uses and tool results, then 1 KB
+    // new; converted as vLLM converts it, rendered, tokenized, chained, routed.
+    let mut turns: Vec<Value> = Vec::new();
+    for k in 0..20 {
+        turns.push(
+            json!({"role": "user", "content": [{"type": "text", "text": prose(&mut rng, 1000)}]}),
+        );
+        turns.push(json!({"role": "assistant", "content": [
+            {"type": "text", "text": prose(&mut rng, 3000)},
+            {"type": "tool_use", "id": format!("toolu_{k}"), "name": "read_file",
+             "input": {"path": format!("src/file_{k}.rs")}}]}));
+        turns.push(json!({"role": "user", "content": [{"type": "tool_result",
+            "tool_use_id": format!("toolu_{k}"), "content": prose(&mut rng, 1000)}]}));
+    }
+    let system = json!([
+        {"type": "text", "text": "x-anthropic-billing-header: cc_version=2; cch=00000;"},
+        {"type": "text", "text": prose(&mut rng, 2000), "cache_control": {"type": "ephemeral"}}]);
+    let tools = json!([{"name": "read_file", "description": "Read a file.",
+                        "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]);
+    let messages_req = |msgs: &[Value]| {
+        let body = json!({"model": "m", "max_tokens": 1024, "system": system, "tools": tools, "messages": msgs});
+        RouteRequest {
+            prompt_body: kvroute_shared::protocol::PromptBody::extract(
+                kvroute_shared::protocol::PromptApi::Messages,
+                "",
+                body.to_string().as_bytes(),
+            )
+            .ok(),
+            ..chat_req(&json!({"messages": []}))
+        }
+    };
+    route(&sc, &messages_req(&turns)).map_err(|e| anyhow::anyhow!("route: {e}"))?;
+    let (mut mturn, mut mbare) = (Samples::default(), Samples::default());
+    for _ in 0..n {
+        let new = prose(&mut rng, 1024);
+        let mut msgs = turns.clone();
+        msgs.push(json!({"role": "user", "content": [{"type": "text", "text": new}]}));
+        let req = messages_req(&msgs);
+        let _ = mbare.time(|| bare.encode_whole(&new, false));
+        let r = mturn.time(|| route(&sc, &req));
+        anyhow::ensure!(r.is_ok(), "route: {r:?}");
+    }
+    let (mturn50, mbare50) = (mturn.pct(50.0), mbare.pct(50.0));
+    let precise_tokens = sc.metrics.precise.get("tokens");
+    anyhow::ensure!(precise_tokens > 0, "Messages bodies were not tokenized");
+    println!(
+        "  Messages API, 21st turn (~100 KB history: text, tool uses, tool results + 1 KB): p50 {:.0} us; bare encode of the 1 KB {:.0} us ({:.2}x)",
+        mturn50 as f64 / 1e3,
+        mbare50 as f64 / 1e3,
+        mturn50 as f64 / mbare50.max(1) as f64
+    );
+
     // 3. A cold prompt of ~128k tokens (completions: encoded whole, special tokens added).
     let big = prose(&mut rng, 128 * 1024 * 4);
     let t0 = Instant::now();
@@ -264,6 +317,8 @@ pub fn run(o: &Opts) -> anyhow::Result<Value> {
         "cold_4k_ratio": cold50 as f64 / bare4_50.max(1) as f64,
         "turn21_p50_us": turn50 as f64 / 1e3, "bare_encode_1k_p50_us": bare1_50 as f64 / 1e3,
         "turn21_ratio": turn50 as f64 / bare1_50.max(1) as f64,
+        "messages_turn21_p50_us": mturn50 as f64 / 1e3,
+        "messages_turn21_ratio": mturn50 as f64 / mbare50.max(1) as f64,
         "reencode_conversation_p50_us": whole50 as f64 / 1e3,
         "turn21_speedup_vs_reencode": whole50 as f64 / turn50.max(1) as f64,
         "turn21_parse_render_p50_us": render50 as f64 / 1e3,

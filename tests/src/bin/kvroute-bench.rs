@@ -23,6 +23,8 @@ struct Cli {
     cmd: Cmd,
 }
 
+// A command-line parse, made once: its size does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Cmd {
     /// The index on the micro-benchmark shape, against naive and radix baselines.
@@ -68,6 +70,14 @@ enum Cmd {
         /// sglang-shared-prefix | llmd-prefix | multiround-qa | all
         #[arg(long)]
         workload: Option<String>,
+        /// Replay agentic sessions (kv-cache-tester format: a directory or .tar.gz; with
+        /// no value or `shipped`, the 80 Claude Code sessions in tests/data/agentic) in 512-token
+        /// blocks, sessions starting as a Poisson process (`--session-gap-s`).
+        #[arg(long, num_args = 0..=1, default_missing_value = "shipped", conflicts_with_all = ["trace", "workload"])]
+        agentic: Option<PathBuf>,
+        /// Mean gap between agentic session starts, seconds.
+        #[arg(long, default_value_t = 4.0)]
+        session_gap_s: f64,
         #[arg(long, default_value_t = 8)]
         pods: usize,
         /// Per-pod KV cache capacity in blocks (default: 1024 for traces, 16384 generated).
@@ -164,6 +174,8 @@ fn main() -> anyhow::Result<()> {
         Cmd::Sim {
             trace,
             workload,
+            agentic,
+            session_gap_s,
             pods,
             capacity_blocks,
             speedup,
@@ -195,7 +207,35 @@ fn main() -> anyhow::Result<()> {
             };
             let cost = kvroute_tests::sim::default_cost();
             let mut runs: Vec<(String, Vec<kvroute_tests::workload::Request>, u32)> = Vec::new();
+            if let Some(p) = agentic {
+                let path = if p.as_os_str() == "shipped" {
+                    kvroute_tests::workload::default_agentic()
+                } else {
+                    p
+                };
+                let bt = kvroute_tests::workload::MOONCAKE_BLOCK_TOKENS;
+                let mut reqs = kvroute_tests::workload::load_agentic(
+                    &path,
+                    kvroute_tests::workload::AgenticOpts {
+                        block_tokens: bt,
+                        mean_gap_s: session_gap_s,
+                        seed,
+                    },
+                )?;
+                for r in &mut reqs {
+                    r.ts_ms /= speedup.max(1e-9);
+                }
+                runs.push((
+                    format!(
+                        "agentic sessions ({}), {session_gap_s} s mean start gap",
+                        path.display()
+                    ),
+                    reqs,
+                    bt,
+                ));
+            }
             match (trace, workload.as_deref()) {
+                _ if !runs.is_empty() => {}
                 (Some(path), _) => {
                     let mut reqs = kvroute_tests::workload::load_mooncake(&path)?;
                     for r in &mut reqs {

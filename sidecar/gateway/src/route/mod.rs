@@ -349,14 +349,18 @@ impl<'a> Route<'a> {
     }
 
     /// Blocks a binding credits to `pod`: a continued response's whole history, a
-    /// session's last prompt at `session_weight` (never more than this prompt).
+    /// session's last prompt at `session_weight` (never more than this prompt) when the
+    /// indexes hold none of this one.
     fn bound_blocks(&self, pod: &str) -> f64 {
         let bt = self.ask.block_size.max(1) as f64;
         let mut b: f64 = 0.0;
         if let Some(r) = self.facts.response.as_ref().filter(|r| &*r.pod == pod) {
             b = b.max((r.tokens as f64 / bt).floor());
         }
-        if let Some((_, Some(s))) = self.facts.session.as_ref() {
+        // Only where the indexes know nothing of the prompt (a cold or restarted index,
+        // a prompt whose front changed): what they do know is fact, a binding a guess.
+        let blind = self.facts.confirmed.is_empty() && self.facts.predicted.is_empty();
+        if let (true, Some((_, Some(s)))) = (blind, self.facts.session.as_ref()) {
             if &*s.pod == pod {
                 let blocks = (s.tokens as f64 / bt)
                     .floor()

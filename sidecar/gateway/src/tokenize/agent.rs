@@ -358,3 +358,66 @@ fn convert_tools(tools: &Value) -> Result<Value, TokenizeError> {
     }
     Ok(Value::Array(out))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn arb_json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            "(text|image|tool_use|tool_result|thinking|system|user|assistant|x-anthropic-billing-header|.{0,6})"
+                .prop_map(Value::from),
+        ];
+        leaf.prop_recursive(4, 48, 6, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..5).prop_map(Value::Array),
+                proptest::collection::btree_map(
+                    "(type|text|role|content|messages|system|tools|name|input|input_schema|id|tool_use_id|thinking|source|thinking|output_config|effort|chat_template_kwargs)",
+                    inner,
+                    0..6
+                )
+                .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        /// Any JSON a client sends to /v1/messages: converted or refused, never a panic,
+        /// and a conversion is always a chat body with a message list.
+        #[test]
+        fn hostile_messages_bodies_are_converted_or_refused(body in arb_json()) {
+            static T: std::sync::OnceLock<Option<ModelTokenizer>> = std::sync::OnceLock::new();
+            let t = T.get_or_init(|| {
+                // A word-level tokenizer and a template that prints every message.
+                let dir = std::env::temp_dir().join(format!("kvroute-agent-{}", std::process::id()));
+                std::fs::create_dir_all(&dir).ok()?;
+                let tj = json!({"version": "1.0", "truncation": null, "padding": null,
+                    "added_tokens": [], "normalizer": null, "pre_tokenizer": {"type": "Whitespace"},
+                    "post_processor": null, "decoder": null,
+                    "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "a": 1}, "unk_token": "[UNK]"}});
+                std::fs::write(dir.join("tokenizer.json"), tj.to_string()).ok()?;
+                let tpl = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}";
+                std::fs::write(dir.join("tokenizer_config.json"), json!({"chat_template": tpl}).to_string()).ok()?;
+                ModelTokenizer::load(&dir, 1 << 20).ok()
+            });
+            let t = t.as_ref().expect("the test tokenizer loads");
+            if let Ok(chat) = t.messages_to_chat(&body) {
+                prop_assert!(chat["messages"].is_array());
+                let _ = t.tokenize_request(true, &chat);
+            }
+            let _ = convert_tools(&body);
+            let mut msg = Map::new();
+            let mut out = Vec::new();
+            if let Some(blocks) = body.as_array() {
+                let _ = convert_blocks("user", blocks, &mut msg, &mut out);
+                let _ = convert_blocks("assistant", blocks, &mut msg, &mut out);
+            }
+        }
+    }
+}
