@@ -22,7 +22,8 @@
 //! references, an assistant's structured tool result, a tool use without an id — vLLM
 //! names it by the clock) are refused, and the request keeps its text chain.
 
-use serde_json::{json, Map, Value};
+use minijinja::value::{Value, ValueKind};
+use serde_json::json;
 
 use super::{ModelTokenizer, TokenizeError};
 
@@ -32,27 +33,63 @@ fn unsupported(what: &'static str) -> TokenizeError {
     TokenizeError::Unsupported(what)
 }
 
-fn truthy_str(v: Option<&Value>) -> Option<&str> {
-    v.and_then(Value::as_str).filter(|s| !s.is_empty())
+fn bad(m: &str) -> TokenizeError {
+    TokenizeError::BadRequest(m.to_owned())
+}
+
+/// `v[key]`, when present.
+fn attr(v: &Value, key: &str) -> Option<Value> {
+    v.get_attr(key).ok().filter(|x| !x.is_undefined())
+}
+
+fn kind_of(v: &Value) -> Option<String> {
+    attr(v, "type").and_then(|t| t.as_str().map(str::to_owned))
+}
+
+/// A string that Python would find truthy (present and not empty).
+fn truthy_str(v: Option<Value>) -> Option<Value> {
+    v.filter(|x| x.as_str().is_some_and(|s| !s.is_empty()))
+}
+
+fn items(v: &Value) -> Result<Vec<Value>, TokenizeError> {
+    Ok(v.try_iter().map_err(|e| bad(&e.to_string()))?.collect())
+}
+
+/// An ordered map (the template sees keys in this order, as in a Python dict).
+fn map(entries: Vec<(&str, Value)>) -> Value {
+    entries
+        .into_iter()
+        .map(|(k, v)| (Value::from(k), v))
+        .collect()
+}
+
+/// The text blocks of a system content list (billing headers dropped).
+fn system_blocks(blocks: &Value) -> Result<Vec<Value>, TokenizeError> {
+    Ok(items(blocks)?
+        .into_iter()
+        .filter(|b| kind_of(b).as_deref() == Some("text"))
+        .filter_map(|b| truthy_str(attr(&b, "text")))
+        .filter(|t| !t.as_str().is_some_and(|t| t.starts_with(BILLING)))
+        .collect())
+}
+
+fn concat(parts: &[Value]) -> String {
+    parts.iter().filter_map(|p| p.as_str()).collect()
 }
 
 /// The text of a system message's content (string or text blocks), billing headers
 /// dropped; `None` when nothing is left.
-fn system_text(content: Option<&Value>) -> Option<String> {
-    match content {
-        Some(Value::String(s)) => (!s.starts_with(BILLING)).then(|| s.clone()),
-        Some(Value::Array(blocks)) => {
-            let parts: Vec<&str> = blocks
-                .iter()
-                .filter(|b| b.get("type").and_then(Value::as_str) == Some("text"))
-                .filter_map(|b| truthy_str(b.get("text")))
-                .filter(|t| !t.starts_with(BILLING))
-                .collect();
-            (!parts.is_empty()).then(|| parts.concat())
-        }
+fn system_text(content: Option<Value>) -> Result<Option<String>, TokenizeError> {
+    let Some(c) = content else { return Ok(None) };
+    let t = match c.kind() {
+        ValueKind::String => c
+            .as_str()
+            .filter(|s| !s.starts_with(BILLING))
+            .map(str::to_owned),
+        ValueKind::Seq => Some(concat(&system_blocks(&c)?)),
         _ => None,
-    }
-    .filter(|s| !s.is_empty())
+    };
+    Ok(t.filter(|s| !s.is_empty()))
 }
 
 impl ModelTokenizer {
@@ -95,156 +132,166 @@ impl ModelTokenizer {
         })
     }
 
-    /// A Messages body as the chat body vLLM renders.
-    pub fn messages_to_chat(&self, body: &Value) -> Result<Value, TokenizeError> {
-        let bad = |m: &str| TokenizeError::BadRequest(m.to_owned());
+    /// A Messages body (JSON) as the chat body vLLM renders.
+    pub fn messages_to_chat(&self, body: &serde_json::Value) -> Result<Value, TokenizeError> {
+        self.messages_to_chat_value(&Value::from_serialize(body))
+    }
+
+    /// [`ModelTokenizer::messages_to_chat`] on the template's own values: strings are
+    /// shared with the parsed body, not copied (the route path parses the body once).
+    pub(super) fn messages_to_chat_value(&self, body: &Value) -> Result<Value, TokenizeError> {
         let merge = self.merges_inline_system();
-        let msgs = body
-            .get("messages")
-            .and_then(Value::as_array)
+        let msgs = attr(body, "messages")
+            .filter(|m| m.kind() == ValueKind::Seq)
             .ok_or_else(|| bad("a Messages body needs `messages`"))?;
+        let msgs = items(&msgs)?;
         let mut out: Vec<Value> = Vec::with_capacity(msgs.len() + 1);
-        let mut system = match body.get("system") {
-            Some(Value::String(s)) if !s.is_empty() => vec![s.clone()],
-            Some(Value::Array(blocks)) => blocks
-                .iter()
-                .filter(|b| b.get("type").and_then(Value::as_str) == Some("text"))
-                .filter_map(|b| truthy_str(b.get("text")))
-                .filter(|t| !t.starts_with(BILLING))
-                .map(str::to_owned)
-                .collect(),
+        let mut system: Vec<Value> = match attr(body, "system") {
+            Some(s) if s.kind() == ValueKind::String => truthy_str(Some(s)).into_iter().collect(),
+            Some(s) if s.kind() == ValueKind::Seq => system_blocks(&s)?,
             _ => Vec::new(),
         };
+        let role_of = |m: &Value| attr(m, "role").and_then(|r| r.as_str().map(str::to_owned));
         if merge {
-            for m in msgs {
-                if m.get("role").and_then(Value::as_str) == Some("system") {
-                    system.extend(system_text(m.get("content")));
+            for m in &msgs {
+                if role_of(m).as_deref() == Some("system") {
+                    system.extend(system_text(attr(m, "content"))?.map(Value::from));
                 }
             }
         }
         if !system.is_empty() {
-            out.push(json!({"role": "system", "content": system.concat()}));
+            let content = match system.as_slice() {
+                [one] => one.clone(),
+                many => Value::from(concat(many)),
+            };
+            out.push(map(vec![
+                ("role", Value::from("system")),
+                ("content", content),
+            ]));
         }
-        for m in msgs {
-            let role = m
-                .get("role")
-                .and_then(Value::as_str)
-                .ok_or_else(|| bad("a message needs a `role`"))?;
+        for m in &msgs {
+            let role = role_of(m).ok_or_else(|| bad("a message needs a `role`"))?;
             if role == "system" {
                 if !merge {
-                    if let Some(t) = system_text(m.get("content")) {
-                        out.push(json!({"role": "system", "content": t}));
+                    if let Some(t) = system_text(attr(m, "content"))? {
+                        out.push(map(vec![
+                            ("role", Value::from("system")),
+                            ("content", Value::from(t)),
+                        ]));
                     }
                 }
                 continue;
             }
-            let mut msg = Map::new();
-            msg.insert("role".into(), Value::from(role));
-            match m.get("content") {
-                Some(Value::String(s)) => {
-                    msg.insert("content".into(), Value::from(s.as_str()));
+            let mut msg: Vec<(&str, Value)> = vec![("role", Value::from(role.as_str()))];
+            match attr(m, "content") {
+                Some(c) if c.kind() == ValueKind::String => msg.push(("content", c)),
+                Some(c) if c.kind() == ValueKind::Seq => {
+                    convert_blocks(&role, &items(&c)?, &mut msg, &mut out)?
                 }
-                Some(Value::Array(blocks)) => convert_blocks(role, blocks, &mut msg, &mut out)?,
                 _ => return Err(bad("a message's content is a string or a list of blocks")),
             }
-            if role != "user" || msg.contains_key("content") {
-                out.push(Value::Object(msg));
+            if role != "user" || msg.iter().any(|(k, _)| *k == "content") {
+                out.push(map(msg));
             }
         }
-        let mut chat = Map::new();
-        chat.insert("messages".into(), Value::Array(out));
-        if let Some(tools) = body.get("tools").filter(|t| !t.is_null()) {
-            chat.insert("tools".into(), convert_tools(tools)?);
+        let mut chat: Vec<(&str, Value)> = vec![("messages", Value::from(out))];
+        if let Some(tools) = attr(body, "tools").filter(|t| !t.is_none()) {
+            chat.push(("tools", convert_tools(&tools)?));
         }
-        let mut kwargs = match body.get("chat_template_kwargs") {
-            Some(Value::Object(k)) => k.clone(),
-            _ => Map::new(),
+        let mut kwargs: Vec<(String, Value)> = match attr(body, "chat_template_kwargs") {
+            Some(k) if k.kind() == ValueKind::Map => items(&k)?
+                .into_iter()
+                .filter_map(|key| {
+                    let v = k.get_item(&key).ok()?;
+                    Some((key.as_str()?.to_owned(), v))
+                })
+                .collect(),
+            _ => Vec::new(),
         };
-        let mut effort: Option<String> = None;
-        if let Some(e) = body
-            .get("output_config")
-            .and_then(|o| o.get("effort"))
-            .and_then(Value::as_str)
-        {
-            effort = Some(e.to_owned());
-        }
-        if body
-            .get("thinking")
-            .and_then(|t| t.get("type"))
-            .and_then(Value::as_str)
-            == Some("disabled")
-        {
+        let mut effort: Option<String> = attr(body, "output_config")
+            .and_then(|o| attr(&o, "effort"))
+            .and_then(|e| e.as_str().map(str::to_owned));
+        if attr(body, "thinking").and_then(|t| kind_of(&t)).as_deref() == Some("disabled") {
             effort = Some(self.disabled_thinking_effort().to_owned());
         }
         // vLLM's chat parameters: the effort reaches the template, and switches thinking
         // unless the caller set `enable_thinking` itself ("auto" counts as unset).
         if let Some(e) = effort.filter(|e| e != "auto") {
-            if !kwargs.contains_key("enable_thinking") {
-                kwargs.insert("enable_thinking".into(), Value::from(e != "none"));
+            if !kwargs.iter().any(|(k, _)| k == "enable_thinking") {
+                kwargs.push(("enable_thinking".into(), Value::from(e != "none")));
             }
-            kwargs.insert("reasoning_effort".into(), Value::from(e));
+            kwargs.retain(|(k, _)| k != "reasoning_effort");
+            kwargs.push(("reasoning_effort".into(), Value::from(e)));
         }
-        if !kwargs.is_empty() {
-            chat.insert("chat_template_kwargs".into(), Value::Object(kwargs));
+        let kwargs: Value = kwargs
+            .into_iter()
+            .map(|(k, v)| (Value::from(k), v))
+            .collect();
+        if kwargs.len().unwrap_or(0) > 0 {
+            chat.push(("chat_template_kwargs", kwargs));
         }
-        Ok(Value::Object(chat))
+        Ok(map(chat))
     }
 }
 
 fn convert_blocks(
     role: &str,
     blocks: &[Value],
-    msg: &mut Map<String, Value>,
+    msg: &mut Vec<(&str, Value)>,
     out: &mut Vec<Value>,
 ) -> Result<(), TokenizeError> {
     let mut parts: Vec<Value> = Vec::new();
     let mut calls: Vec<Value> = Vec::new();
-    let mut reasoning: Vec<&str> = Vec::new();
+    let mut reasoning: Vec<Value> = Vec::new();
     let mut any_reasoning = false;
     for b in blocks {
-        let kind = b.get("type").and_then(Value::as_str).unwrap_or_default();
-        match kind {
+        let kind = kind_of(b).unwrap_or_default();
+        match kind.as_str() {
             "text" => {
-                if let Some(t) = truthy_str(b.get("text")) {
-                    parts.push(json!({"type": "text", "text": t}));
+                if let Some(t) = truthy_str(attr(b, "text")) {
+                    parts.push(map(vec![("type", Value::from("text")), ("text", t)]));
                 }
             }
             "image" => return Err(TokenizeError::Multimodal),
             "thinking" => {
-                if let Some(t) = b.get("thinking").and_then(Value::as_str) {
+                if let Some(t) = attr(b, "thinking").filter(|t| t.kind() == ValueKind::String) {
                     reasoning.push(t);
                     any_reasoning = true;
                 }
             }
-            "redacted_thinking" => {}
+            "redacted_thinking" | "tool_reference" => {}
             "tool_use" => {
                 let id =
-                    truthy_str(b.get("id")).ok_or_else(|| unsupported("tool_use without id"))?;
-                let input = match b.get("input") {
-                    Some(Value::Object(o)) if !o.is_empty() => Value::Object(o.clone()),
-                    None | Some(Value::Null) | Some(Value::Object(_)) => json!({}),
-                    Some(_) => {
-                        return Err(TokenizeError::BadRequest(
-                            "tool_use input is an object".into(),
-                        ))
-                    }
+                    truthy_str(attr(b, "id")).ok_or_else(|| unsupported("tool_use without id"))?;
+                // `json.dumps(block.input or {})`, which the chat parser reads back.
+                let input = match attr(b, "input") {
+                    Some(i) if i.kind() == ValueKind::Map => i,
+                    Some(i) if !i.is_none() => return Err(bad("tool_use input is an object")),
+                    _ => map(Vec::new()),
                 };
-                calls.push(json!({"id": id, "type": "function", "function": {
-                    "name": b.get("name").and_then(Value::as_str).unwrap_or_default(),
-                    "arguments": input}}));
+                let name = attr(b, "name").filter(|n| n.kind() == ValueKind::String);
+                let function = map(vec![
+                    ("name", name.unwrap_or_else(|| Value::from(""))),
+                    ("arguments", input),
+                ]);
+                calls.push(map(vec![
+                    ("id", id),
+                    ("type", Value::from("function")),
+                    ("function", function),
+                ]));
             }
             "tool_result" => {
-                let content = b.get("content");
+                let content = attr(b, "content").filter(|c| !c.is_none());
                 if role == "user" {
-                    let text = match content {
-                        Some(Value::String(s)) => s.clone(),
-                        Some(Value::Array(items)) => {
-                            let mut texts = Vec::new();
-                            for item in items.iter().filter(|i| i.is_object()) {
-                                match item.get("type").and_then(Value::as_str) {
+                    let text = match &content {
+                        Some(c) if c.kind() == ValueKind::String => c.clone(),
+                        Some(c) if c.kind() == ValueKind::Seq => {
+                            let mut texts: Vec<String> = Vec::new();
+                            for item in items(c)?.iter().filter(|i| i.kind() == ValueKind::Map) {
+                                match kind_of(item).as_deref() {
                                     Some("text") => texts.push(
-                                        item.get("text")
-                                            .and_then(Value::as_str)
+                                        attr(item, "text")
+                                            .and_then(|t| t.as_str().map(str::to_owned))
                                             .unwrap_or_default(),
                                     ),
                                     Some("image") => return Err(TokenizeError::Multimodal),
@@ -254,109 +301,108 @@ fn convert_blocks(
                                     _ => {}
                                 }
                             }
-                            texts.join("\n")
+                            Value::from(texts.join("\n"))
                         }
-                        None | Some(Value::Null) => String::new(),
-                        Some(_) => {
-                            return Err(TokenizeError::BadRequest("tool_result content".into()))
-                        }
+                        None => Value::from(""),
+                        Some(_) => return Err(bad("tool_result content")),
                     };
-                    let id = b
-                        .get("tool_use_id")
-                        .and_then(Value::as_str)
-                        .unwrap_or_default();
-                    out.push(json!({"role": "tool", "tool_call_id": id, "content": text}));
+                    let id = attr(b, "tool_use_id")
+                        .filter(|i| i.kind() == ValueKind::String)
+                        .unwrap_or_else(|| Value::from(""));
+                    out.push(map(vec![
+                        ("role", Value::from("tool")),
+                        ("tool_call_id", id),
+                        ("content", text),
+                    ]));
                 } else {
-                    let text = match content {
-                        Some(Value::String(s)) => s.as_str(),
-                        None | Some(Value::Null) => "",
+                    let text = match &content {
+                        Some(c) if c.kind() == ValueKind::String => c.as_str().unwrap_or_default(),
+                        None => "",
                         Some(_) => {
                             return Err(unsupported("an assistant's structured tool_result"))
                         }
                     };
-                    parts.push(json!({"type": "text", "text": format!("Tool result: {text}")}));
+                    parts.push(map(vec![
+                        ("type", Value::from("text")),
+                        ("text", Value::from(format!("Tool result: {text}"))),
+                    ]));
                 }
             }
-            "tool_reference" => {}
             "tool_addition" | "tool_removal" => {
                 return Err(unsupported("tool_addition/tool_removal"))
             }
             // vLLM's request model refuses any other block type.
-            other => {
-                return Err(TokenizeError::BadRequest(format!(
-                    "content block type {other:?}"
-                )))
-            }
+            other => return Err(bad(&format!("content block type {other:?}"))),
         }
     }
     // vLLM's chat parser keeps an assistant's reasoning (also as `reasoning_content`)
     // and no one else's.
     if any_reasoning && role == "assistant" {
-        let r = Value::from(reasoning.concat());
-        msg.insert("reasoning".into(), r.clone());
-        msg.insert("reasoning_content".into(), r);
+        let r = match reasoning.as_slice() {
+            [one] => one.clone(),
+            many => Value::from(concat(many)),
+        };
+        msg.push(("reasoning", r.clone()));
+        msg.push(("reasoning_content", r));
     }
     if !calls.is_empty() {
-        msg.insert("tool_calls".into(), Value::Array(calls));
+        msg.push(("tool_calls", Value::from(calls)));
     }
-    match parts.len() {
-        0 => {}
-        1 if parts[0].get("type").and_then(Value::as_str) == Some("text") => {
-            let t = parts[0].get("text").cloned().unwrap_or_default();
-            msg.insert("content".into(), t);
+    match parts.as_slice() {
+        [] => {}
+        [one] if kind_of(one).as_deref() == Some("text") => {
+            msg.push(("content", attr(one, "text").unwrap_or_default()));
         }
-        _ => {
-            msg.insert("content".into(), Value::Array(parts));
-        }
+        _ => msg.push(("content", Value::from(parts))),
     }
     Ok(())
 }
 
 /// Messages tools as vLLM's function tools dump them for the template.
 fn convert_tools(tools: &Value) -> Result<Value, TokenizeError> {
-    let list = tools
-        .as_array()
-        .ok_or_else(|| TokenizeError::BadRequest("`tools` is a list".into()))?;
-    let mut out = Vec::with_capacity(list.len());
-    for t in list {
-        let name = t
-            .get("name")
-            .and_then(Value::as_str)
-            .ok_or_else(|| TokenizeError::BadRequest("a tool needs a `name`".into()))?;
-        let mut f = Map::new();
-        f.insert("name".into(), Value::from(name));
-        f.insert(
-            "description".into(),
-            t.get("description").cloned().unwrap_or(Value::Null),
-        );
-        // vLLM's request model gives a schema without a type `"type": "object"` (last).
-        let mut schema = t.get("input_schema").cloned().unwrap_or(Value::Null);
-        match schema.as_object_mut() {
-            Some(o) if !o.contains_key("type") => {
-                o.insert("type".into(), Value::from("object"));
-            }
-            Some(_) => {}
-            None => {
-                return Err(TokenizeError::BadRequest(
-                    "a tool's input_schema is an object".into(),
-                ))
-            }
-        }
-        f.insert("parameters".into(), schema);
-        for key in ["strict", "defer_loading"] {
-            if let Some(v) = t.get(key).filter(|v| !v.is_null()) {
-                f.insert(key.into(), v.clone());
-            }
-        }
-        let mut tool = Map::new();
-        tool.insert("type".into(), Value::from("function"));
-        tool.insert("function".into(), Value::Object(f));
-        if let Some(v) = t.get("defer_loading").filter(|v| !v.is_null()) {
-            tool.insert("defer_loading".into(), v.clone());
-        }
-        out.push(Value::Object(tool));
+    if tools.kind() != ValueKind::Seq {
+        return Err(bad("`tools` is a list"));
     }
-    Ok(Value::Array(out))
+    let mut out = Vec::new();
+    for t in items(tools)? {
+        let name = attr(&t, "name")
+            .filter(|n| n.kind() == ValueKind::String)
+            .ok_or_else(|| bad("a tool needs a `name`"))?;
+        // vLLM's request model gives a schema without a type `"type": "object"` (last).
+        let schema = attr(&t, "input_schema")
+            .filter(|s| s.kind() == ValueKind::Map)
+            .ok_or_else(|| bad("a tool's input_schema is an object"))?;
+        let schema = if attr(&schema, "type").is_some() {
+            schema
+        } else {
+            let mut entries: Vec<(Value, Value)> = items(&schema)?
+                .into_iter()
+                .filter_map(|k| Some((k.clone(), schema.get_item(&k).ok()?)))
+                .collect();
+            entries.push((Value::from("type"), Value::from("object")));
+            entries.into_iter().collect()
+        };
+        let mut f = vec![
+            ("name", name),
+            (
+                "description",
+                attr(&t, "description").unwrap_or_else(|| Value::from(())),
+            ),
+            ("parameters", schema),
+        ];
+        let set = |k: &str| attr(&t, k).filter(|v| !v.is_none());
+        for key in ["strict", "defer_loading"] {
+            if let Some(v) = set(key) {
+                f.push((key, v));
+            }
+        }
+        let mut tool = vec![("type", Value::from("function")), ("function", map(f))];
+        if let Some(v) = set("defer_loading") {
+            tool.push(("defer_loading", v));
+        }
+        out.push(map(tool));
+    }
+    Ok(Value::from(out))
 }
 
 #[cfg(test)]
@@ -364,23 +410,25 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn arb_json() -> impl Strategy<Value = Value> {
+    use serde_json::Value as J;
+
+    fn arb_json() -> impl Strategy<Value = J> {
         let leaf = prop_oneof![
-            Just(Value::Null),
-            any::<bool>().prop_map(Value::from),
-            any::<i64>().prop_map(Value::from),
+            Just(J::Null),
+            any::<bool>().prop_map(J::from),
+            any::<i64>().prop_map(J::from),
             "(text|image|tool_use|tool_result|thinking|system|user|assistant|x-anthropic-billing-header|.{0,6})"
-                .prop_map(Value::from),
+                .prop_map(J::from),
         ];
         leaf.prop_recursive(4, 48, 6, |inner| {
             prop_oneof![
-                proptest::collection::vec(inner.clone(), 0..5).prop_map(Value::Array),
+                proptest::collection::vec(inner.clone(), 0..5).prop_map(J::Array),
                 proptest::collection::btree_map(
                     "(type|text|role|content|messages|system|tools|name|input|input_schema|id|tool_use_id|thinking|source|thinking|output_config|effort|chat_template_kwargs)",
                     inner,
                     0..6
                 )
-                .prop_map(|m| Value::Object(m.into_iter().collect())),
+                .prop_map(|m| J::Object(m.into_iter().collect())),
             ]
         })
     }
@@ -408,15 +456,15 @@ mod tests {
             });
             let t = t.as_ref().expect("the test tokenizer loads");
             if let Ok(chat) = t.messages_to_chat(&body) {
-                prop_assert!(chat["messages"].is_array());
-                let _ = t.tokenize_request(true, &chat);
+                prop_assert_eq!(chat.get_attr("messages").map(|m| m.kind()).ok(), Some(ValueKind::Seq));
+                let _ = t.tokenize_value(true, &chat);
             }
-            let _ = convert_tools(&body);
-            let mut msg = Map::new();
-            let mut out = Vec::new();
-            if let Some(blocks) = body.as_array() {
-                let _ = convert_blocks("user", blocks, &mut msg, &mut out);
-                let _ = convert_blocks("assistant", blocks, &mut msg, &mut out);
+            let v = Value::from_serialize(&body);
+            let _ = convert_tools(&v);
+            let (mut msg, mut out) = (Vec::new(), Vec::new());
+            if let Ok(blocks) = items(&v) {
+                let _ = convert_blocks("user", &blocks, &mut msg, &mut out);
+                let _ = convert_blocks("assistant", &blocks, &mut msg, &mut out);
             }
         }
     }

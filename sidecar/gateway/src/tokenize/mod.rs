@@ -254,6 +254,11 @@ impl ModelTokenizer {
             None | Some(PromptApi::Chat) | Some(PromptApi::Completions) => {
                 self.tokenize_json(chat, json)
             }
+            Some(PromptApi::Messages) => {
+                // Parsed once into the template's values, converted without copying text.
+                let chat = self.messages_to_chat_value(&parse_body(json)?)?;
+                self.tokenize_value(true, &chat)
+            }
             Some(api) => {
                 let body: Value = serde_json::from_str(json)
                     .map_err(|e| TokenizeError::BadRequest(e.to_string()))?;
@@ -272,7 +277,7 @@ impl ModelTokenizer {
         match api {
             PromptApi::Completions => self.tokenize_request(false, body),
             PromptApi::Chat => self.tokenize_request(true, body),
-            PromptApi::Messages => self.tokenize_request(true, &self.messages_to_chat(body)?),
+            PromptApi::Messages => self.tokenize_value(true, &self.messages_to_chat(body)?),
             PromptApi::Responses => Err(TokenizeError::Unsupported("the Responses API")),
         }
     }
