@@ -144,7 +144,51 @@ fn token_ids_match_transformers_on_every_conversation() {
         assert!(messages >= 250, "{name}: {messages} Messages bodies");
         total += cases.len();
     }
-    assert!(total >= 3400);
+    assert!(total >= 4250);
+}
+
+/// vLLM decides from a template's syntax tree whether it reads `content` as a string or
+/// as a list of parts, and hands messages on in that form; the sidecar decides by
+/// rendering. Both must agree on every template vLLM ships (its sdist's `examples/`) and
+/// on every template of this suite; a template minijinja cannot load keeps prediction.
+#[test]
+fn content_formats_match_vllm_on_its_templates() {
+    use kvroute_sidecar::ContentFormat;
+    let f = fixtures();
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/tokenizer-fixtures");
+    let list: Vec<Value> = serde_json::from_slice(
+        &std::fs::read(root.join("content_formats.json")).expect("content_formats.json"),
+    )
+    .expect("json");
+    let (_, dir, _) = &f.dirs[0];
+    let (mut same, mut unloadable, mut differ) = (0, Vec::new(), Vec::new());
+    for t in &list {
+        let path = PathBuf::from(t["template"].as_str().unwrap_or_default());
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let Ok(tok) = ModelTokenizer::load(dir, 0).and_then(|t| t.with_chat_template(&path)) else {
+            unloadable.push(name);
+            continue;
+        };
+        let ours = match tok.content_format() {
+            ContentFormat::String => "string",
+            ContentFormat::OpenAi => "openai",
+        };
+        if ours == t["vllm"] {
+            same += 1;
+        } else {
+            differ.push(format!("{name}: vLLM {}, here {ours}", t["vllm"]));
+        }
+    }
+    println!(
+        "content format: {same} of {} templates as vLLM decides; {} not loadable here: {unloadable:?}",
+        list.len(),
+        unloadable.len()
+    );
+    assert!(list.len() >= 38, "vLLM's examples and ours");
+    assert!(differ.is_empty(), "{differ:#?}");
 }
 
 fn pieces() -> impl Strategy<Value = String> {

@@ -13,7 +13,9 @@ token ids of generated requests:
   grouped tool results, `enable_thinking` from the request's `chat_template_kwargs`);
 - `trained-chatml`: a Unigram tokenizer with a Metaspace pre-tokenizer (SentencePiece's
   shape) trained here with the `tokenizers` library, whose special tokens are ChatML's,
-  with `templates/chatml.jinja`.
+  with `templates/chatml.jinja`;
+- `deepseek-parts`: the DeepSeek tokenizer with `templates/parts.jinja`, which iterates a
+  message's content parts (vLLM's "openai" content format).
 
 For each, chat bodies (`apply_chat_template(messages, tools=..., tokenize=True,
 add_generation_prompt=True, **chat_template_kwargs)`, the messages first passed through
@@ -171,6 +173,7 @@ VLLM_FILES = [
     "vllm/entrypoints/anthropic/serving.py",
     "vllm/entrypoints/generate/base/protocol.py",
     "vllm/entrypoints/openai/chat_completion/protocol.py",
+    "vllm/renderers/hf.py",
 ]
 
 
@@ -183,7 +186,7 @@ def vllm_sources():
     import urllib.parse
     import urllib.request
     cache = OUT / f"vllm-{VLLM}-src"
-    if not all((cache / f).exists() for f in VLLM_FILES):
+    if not all((cache / f).exists() for f in VLLM_FILES) or not (cache / "examples").is_dir():
         # The registry's simple API (what pip reads), the file pinned by its hash.
         index = "https://pypi.org/simple/vllm/"
         req = urllib.request.Request(index, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
@@ -196,7 +199,17 @@ def vllm_sources():
             for f in VLLM_FILES:
                 (cache / f).parent.mkdir(parents=True, exist_ok=True)
                 (cache / f).write_bytes(tf.extractfile(f"vllm-{VLLM}/{f}").read())
+            # vLLM's example chat templates, for the content-format check.
+            (cache / "examples").mkdir(exist_ok=True)
+            for m in tf.getmembers():
+                if m.name.startswith(f"vllm-{VLLM}/examples/") and m.name.endswith(".jinja") and m.name.count("/") == 2:
+                    (cache / "examples" / m.name.rsplit("/", 1)[1]).write_bytes(tf.extractfile(m).read())
     return {f: (cache / f).read_text() for f in VLLM_FILES}
+
+
+def vllm_examples():
+    """vLLM's example chat templates (examples/*.jinja in its sdist)."""
+    return sorted((OUT / f"vllm-{VLLM}-src" / "examples").glob("*.jinja"))
 
 
 def vllm_postprocess(sources):
@@ -309,7 +322,8 @@ def main():
     dirs = [(deepseek_dir("deepseek-tools", "tools.jinja"), True),
             (deepseek_dir("deepseek-chatml", "chatml.jinja"), False),
             (deepseek_dir("deepseek-reasoning", "reasoning.jinja"), True),
-            (trained_dir("trained-chatml", "chatml.jinja"), False)]
+            (trained_dir("trained-chatml", "chatml.jinja"), False),
+            (deepseek_dir("deepseek-parts", "parts.jinja"), True)]
     if N == 0:
         return  # the model directories only (the demo's)
     from transformers import AutoTokenizer
@@ -319,29 +333,29 @@ def main():
     postprocess = vllm_postprocess(sources)
     anthropic = vllm_messages.load(sources)
 
-    def engine_view(msgs):
-        m = copy.deepcopy(msgs)
-        postprocess(m)
-        return m
-
-    def chat_view(msgs):
-        # vLLM's chat parser (parse_chat_message_content) keeps an assistant's reasoning,
-        # also as reasoning_content, and nobody else's.
-        out = []
-        for m in msgs:
-            m = dict(m)
-            r = m.pop("reasoning", None)
-            if m["role"] == "assistant" and r is not None:
-                m["reasoning"] = r
-                m["reasoning_content"] = r
-            out.append(m)
-        return engine_view(out)
+    parse = vllm_messages.chat_parser(sources)
+    detect = vllm_messages.content_format_detector(sources)
+    # vLLM's content-format decision for every template it ships and every one here.
+    formats = [{"template": str(t), "vllm": detect(t.read_text())}
+               for t in vllm_examples() + sorted((HERE / "templates").glob("*.jinja"))]
+    (OUT / "content_formats.json").write_text(json.dumps(formats, indent=1))
 
     out = []
     for d, tools in dirs:
         tok = AutoTokenizer.from_pretrained(str(d))
         rng = random.Random(sum(d.name.encode()))
         cases = []
+        template = json.loads((d / "tokenizer_config.json").read_text())["chat_template"]
+        if isinstance(template, list):
+            template = template[0]["template"]
+        fmt = detect(template)
+
+        def engine_view(msgs):
+            # vLLM's chat parser for this template's content format, then its tool-call
+            # clean-up (both compiled from its sdist).
+            return parse(copy.deepcopy(msgs), fmt)
+        chat_view = engine_view
+
         for i in range(N):
             msgs = conversation(rng, tools)
             body = {"model": "m", "messages": msgs}
@@ -363,10 +377,6 @@ def main():
                 ids = ids_of(tok.apply_chat_template(engine_view(msgs), tools=body.get("tools"), tokenize=True,
                                                      add_generation_prompt=True, **kwargs))
             cases.append({"chat": True, "body": body, "ids": ids})
-        template = json.loads((d / "tokenizer_config.json").read_text())["chat_template"]
-        if isinstance(template, list):
-            template = template[0]["template"]
-
         def render(msgs, tools_, **kw):
             return ids_of(tok.apply_chat_template(msgs, tools=tools_, tokenize=True, add_generation_prompt=True, **kw))
 
@@ -391,7 +401,7 @@ def main():
             prompt = text(rng, 0, 80)
             cases.append({"chat": False, "body": {"model": "m", "prompt": prompt},
                           "ids": ids_of(tok(prompt)["input_ids"])})
-        out.append({"dir": str(d), "name": d.name, "cases": cases})
+        out.append({"dir": str(d), "name": d.name, "content_format": fmt, "cases": cases})
     (OUT / "fixtures.json").write_text(json.dumps(out, ensure_ascii=False))
     print(json.dumps({d["name"]: len(d["cases"]) for d in out}))
 

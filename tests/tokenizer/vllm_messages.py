@@ -20,6 +20,7 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
@@ -116,3 +117,92 @@ def chat_request(models, body, chat_template, disabled_effort):
             kwargs["enable_thinking"] = effort != "none"
         kwargs["reasoning_effort"] = effort
     return messages, tools, kwargs
+
+
+def _functions(src, names, path, ns):
+    """Compile the top-level functions `names` (and assignments to names in `names`)
+    of vLLM's `src` into `ns`, annotations and decorators dropped."""
+    tree = ast.parse(src)
+    body = []
+    for n in tree.body:
+        if isinstance(n, ast.FunctionDef) and n.name in names:
+            n.decorator_list = []
+            body.append(_strip_annotations(n))
+        elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            if any(isinstance(t, ast.Name) and t.id in names for t in targets):
+                body.append(n if isinstance(n, ast.Assign) else
+                            ast.copy_location(ast.Assign(targets=[n.target], value=n.value), n))
+    mod = ast.Module(body=body, type_ignores=[])
+    ast.fix_missing_locations(mod)
+    exec(compile(mod, path, "exec"), ns)
+    return ns
+
+
+def chat_parser(sources):
+    """vLLM's chat parser (`parse_chat_messages` without its multimodal tracker): a
+    function (messages, content_format) -> the conversation the template gets, after
+    `_postprocess_messages`. Text parts only; a media part raises."""
+    import logging
+    from typing import Iterable, cast as tcast
+
+    class VLLMValidationError(ValueError):
+        def __init__(self, msg, parameter=None, value=None):
+            super().__init__(msg)
+
+    class Tracker:
+        def create_parser(self, mm_processor_kwargs=None):
+            class P:
+                model_config = types.SimpleNamespace(enable_prompt_embeds=False)
+
+                def mm_placeholder_storage(self):
+                    return {}
+
+                def __getattr__(self, name):
+                    raise ValueError("media parts are refused by this reference")
+            return P()
+
+    ident = lambda x: x  # vLLM's `partial(cast, TypedDict)` parsers return their input
+    ns = {"logger": logging.getLogger("vllm"), "VLLMValidationError": VLLMValidationError,
+          "cast": tcast, "Iterable": Iterable, "Any": Any, "json": json,
+          "ConversationMessage": dict, "ChatCompletionContentPartParam": dict,
+          "ChatCompletionContentPartTextParam": dict, "ContentPart": Any,
+          "PROMPT_EMBEDS_PLACEHOLDER_TOKEN": "<|prompt_embeds|>",
+          "_KNOWN_CONTENT_PART_FIELDS": frozenset({"type", "text", "image_url", "input_audio",
+                                                   "refusal", "file", "uuid", "thinking"})}
+    for p in ["_TextParser", "_ImageEmbedsParser", "_AudioEmbedsParser", "_VideoEmbedsParser",
+              "_PromptEmbedsParser", "_InputAudioParser", "_RefusalParser", "_PILImageParser",
+              "_ThinkParser", "_AssistantParser", "_ToolParser", "_ImageParser", "_AudioParser",
+              "_VideoParser", "_ResponsesInputImageParser"]:
+        ns[p] = ident
+    names = {"MM_PARSER_MAP", "PART_TYPES_TO_SKIP_NONE_CONTENT", "TEXT_PART_TYPES",
+             "_CLAUDE_CODE_BILLING_HEADER", "_reject_reserved_placeholder_in_text",
+             "_collect_extra_fields", "parse_chat_message_content_mm_part",
+             "parse_chat_message_content_parts", "parse_chat_message_content_part",
+             "_strip_claude_code_billing_header", "parse_chat_message_content",
+             "_postprocess_messages", "_RESERVED_PLACEHOLDER_IN_TEXT_ERROR"}
+    path = "vllm/renderers/chat_utils/chat_message.py"
+    _functions(sources[path], names, path, ns)
+
+    def parse(messages, content_format):
+        conversation = []
+        for msg in messages:
+            conversation.extend(ns["parse_chat_message_content"](
+                msg, Tracker(), content_format, interleave_strings=False))
+        ns["_postprocess_messages"](conversation)
+        return conversation
+    return parse
+
+
+def content_format_detector(sources):
+    """vLLM's `_detect_content_format` (the template's syntax tree: a loop over a
+    message's content means "openai"), from `vllm/renderers/hf.py`."""
+    import logging
+    from collections import deque
+    names = {"_is_var_access", "_is_attr_access", "_is_var_or_elems_access", "_attr_dotted_name",
+             "_iter_nodes_assign_var_or_elems", "_iter_nodes_assign_messages_item",
+             "_iter_nodes_assign_content_item", "_try_extract_ast", "_detect_content_format"}
+    ns = {"jinja2": jinja2, "deque": deque, "logger": logging.getLogger("vllm")}
+    path = "vllm/renderers/hf.py"
+    _functions(sources[path], names, path, ns)
+    return lambda template: ns["_detect_content_format"](template, default="string")

@@ -55,7 +55,8 @@ pub use route::{
 pub use serve::{load_tokenizers, run as serve, wait_for_signal, ServeArgs};
 pub use state::{Channels, Sidecar};
 pub use tokenize::{
-    Budget as TokenizeBudget, ModelTokenizer, Tokenizers, DEFAULT_BUDGET_BYTES, MAX_FIELDS_BYTES,
+    Budget as TokenizeBudget, ContentFormat, ModelTokenizer, Tokenizers, DEFAULT_BUDGET_BYTES,
+    MAX_FIELDS_BYTES,
 };
 
 /// The allocator every binary that runs the sidecar's code installs

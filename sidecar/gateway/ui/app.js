@@ -71,6 +71,9 @@ function drawStatus(s, d) {
   $("t-errors").title = Object.entries(c.route_errors).map(([k, v]) => `${k}: ${v}`).join(", ") || "none";
   $("t-inflight").textContent = fmt(c.inflight);
   $("t-refused").textContent = `${fmt(sum(c.events_rejected))} / ${fmt(c.reports_rejected)}`;
+  const b = s.bindings || {};
+  $("t-bindings").textContent = `${fmt(b.session ?? 0)} / ${fmt(b.response ?? 0)}`;
+  $("t-bindings").title = `at most ${fmt(b.max_per_kind ?? 0)} of each (${fmt((b.max_bytes ?? 0) / 1048576, 1)} MiB)`;
 
   const agreement = Object.fromEntries((s.agreement || []).map((a) => [a.model, a]));
   rows($("models").tBodies[0], s.models.map((m) => {

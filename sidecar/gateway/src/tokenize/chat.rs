@@ -1,7 +1,7 @@
 //! Rendering a chat request with the model's template, as vLLM's server renders it:
 //! the request switches it honours (`add_generation_prompt`, `continue_final_message`,
 //! `chat_template_kwargs`), the special tokens' strings, and the messages as vLLM hands
-//! them to the template (`engine_messages`).
+//! them to the template (its chat parser, `conversation.rs`, then `engine_messages`).
 
 use serde_json::Value;
 
@@ -63,7 +63,9 @@ impl ModelTokenizer {
                 }
             }
         }
-        ctx.insert("messages".into(), engine_messages(&messages)?);
+        let parsed = super::conversation::parse_messages(&messages, self.content_format())?;
+        let messages = engine_messages(&parsed)?;
+        ctx.insert("messages".into(), messages.clone());
         let tools = body.get_attr("tools").unwrap_or_default();
         ctx.insert(
             "tools".into(),

@@ -31,6 +31,7 @@ mod agent;
 mod budget;
 mod cache;
 mod chat;
+mod conversation;
 mod error;
 pub mod template;
 
@@ -43,6 +44,7 @@ use serde_json::Value;
 
 pub use budget::{Budget, Refused, DEFAULT_BUDGET_BYTES, MAX_FIELDS_BYTES};
 pub use cache::{CacheStats, SegmentCache};
+pub use conversation::ContentFormat;
 pub use error::TokenizeError;
 
 /// The special tokens' strings a template may print.
@@ -69,6 +71,8 @@ pub struct ModelTokenizer {
     /// vLLM's probes of the template for Messages requests (`agent.rs`), once each.
     merge_inline_system: std::sync::OnceLock<bool>,
     disabled_effort: std::sync::OnceLock<&'static str>,
+    /// How the template reads `content` (`conversation.rs`), decided once.
+    content_format: std::sync::OnceLock<ContentFormat>,
 }
 
 /// One piece of text between added tokens.
@@ -131,6 +135,7 @@ impl ModelTokenizer {
             cache: SegmentCache::new(cache_bytes),
             merge_inline_system: std::sync::OnceLock::new(),
             disabled_effort: std::sync::OnceLock::new(),
+            content_format: std::sync::OnceLock::new(),
         })
     }
 
@@ -208,6 +213,7 @@ impl ModelTokenizer {
         self.env = Some(template::environment(source).map_err(|e| load_err(file, e))?);
         self.merge_inline_system = std::sync::OnceLock::new();
         self.disabled_effort = std::sync::OnceLock::new();
+        self.content_format = std::sync::OnceLock::new();
         Ok(self)
     }
 
