@@ -137,6 +137,8 @@ impl StubPod {
         let app = Router::new()
             .route("/v1/completions", post(complete))
             .route("/v1/chat/completions", post(complete))
+            .route("/v1/messages", post(complete))
+            .route("/v1/responses", post(complete))
             .route("/v1/models", axum::routing::get(models))
             .with_state(st);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

@@ -317,6 +317,93 @@ async fn odd_requests_pass_through_unharmed() {
     );
 }
 
+/// The coding agents' APIs in a real Envoy: hostile Messages and Responses bodies pass
+/// to the engine unharmed and counted; good ones are routed with their session (Claude
+/// Code's header first) and `previous_response_id`, and a Responses report carries the id
+/// the engine gave its response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_apis_are_routed_and_hostile_bodies_pass() {
+    let rig = rig(Answer::Status(503), json!({"max_body_bytes": 65536})).await;
+    rig.sidecar.set_answer(Answer::Pod(rig.pod("a")));
+    let hostile = [
+        ("/v1/messages", "{not json"),
+        ("/v1/messages", r#"{"messages": 5}"#),
+        ("/v1/messages", r#"{"model":"m","messages":[]}"#),
+        (
+            "/v1/messages",
+            r#"{"model":"m","system":{"x":1},"messages":[{"role":"user","content":"hi"}]}"#,
+        ),
+        ("/v1/responses", r#"{"model":"m"}"#),
+        ("/v1/responses", r#"{"model":"m","input":7}"#),
+        ("/v1/responses", r#"{"model":"m","input":""}"#),
+        ("/v1/responses", "\u{1F600}"),
+    ];
+    for (path, body) in hostile {
+        let r = rig.post(path, body, &[]).await;
+        assert_eq!(r.status(), 200, "{path} {body:?} passes to the engine");
+    }
+    let big = format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "x".repeat(300_000)
+    );
+    assert_eq!(rig.post("/v1/messages", &big, &[]).await.status(), 200);
+    assert_eq!(rig.sidecar.log.lock().routes.len(), 0, "none was routed");
+    let stat = |s: &str| {
+        rig.envoy
+            .stat(&format!("wasmcustom.kvroute_fail_open_{s}"))
+            .unwrap_or(0)
+    };
+    assert_eq!(
+        (
+            stat("bad_json"),
+            stat("no_prompt"),
+            stat("empty_prompt"),
+            stat("body_too_large")
+        ),
+        (5, 1, 2, 1)
+    );
+
+    let msg = r#"{"model":"m","max_tokens":8,"metadata":{"user_id":"u_1"},"system":[{"type":"text","text":"be brief","cache_control":{"type":"ephemeral"}}],"messages":[{"role":"user","content":[{"type":"text","text":"hello there, how are you today?"}]}]}"#;
+    let r = rig
+        .post("/v1/messages", msg, &[("x-claude-code-session-id", "cc-7")])
+        .await;
+    assert_eq!((r.status().as_u16(), served_by(&r)), (200, "a".to_string()));
+    let resp = r#"{"model":"m","input":"what changed in the last commit?","previous_response_id":"resp_prev","prompt_cache_key":"codex-1"}"#;
+    let r = rig.post("/v1/responses", resp, &[]).await;
+    assert_eq!(r.status(), 200);
+    let routes = rig.sidecar.log.lock().routes.clone();
+    assert_eq!(routes.len(), 2);
+    assert_eq!(
+        routes[0].session.as_deref(),
+        Some("cc-7"),
+        "the header before the body"
+    );
+    assert_eq!(routes[0].mode, kvroute_shared::Mode::Text);
+    assert_eq!(
+        (
+            routes[1].session.as_deref(),
+            routes[1].previous_response.as_deref()
+        ),
+        (Some("codex-1"), Some("resp_prev"))
+    );
+    let routed = kvroute_tests::procs::wait_until(Duration::from_secs(5), || {
+        let l = rig.sidecar.log.lock();
+        let routed: Vec<_> = l
+            .reports
+            .iter()
+            .filter(|r| !r.decision.is_empty())
+            .cloned()
+            .collect();
+        (routed.len() == 2).then_some(routed)
+    })
+    .expect("both routed requests reported");
+    let ids: Vec<Option<&str>> = routed.iter().map(|r| r.response_id.as_deref()).collect();
+    assert!(
+        ids.contains(&Some("cmpl")) && ids.contains(&None),
+        "{ids:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_pass_chunk_by_chunk_and_usage_is_reported() {
     let rig = rig(Answer::Status(503), json!({})).await;
