@@ -154,6 +154,13 @@ impl Stack {
             sargs.push(format!("--tokenizer=m={}", d.display()));
             o.engine_args
                 .extend(["--model-dir".into(), d.display().to_string()]);
+            // The sidecar tokenizes every chat here, in a debug build, on a machine the
+            // engines, bridges, NATS and Envoy share: 50 ms is too short for that, and a
+            // route past the filter's deadline is (rightly) neither committed nor recorded.
+            // These tests are about where requests go, not how fast a debug build decides.
+            if o.filter_config["timeout_ms"].as_u64().unwrap_or(0) < 2000 {
+                o.filter_config["timeout_ms"] = json!(2000);
+            }
             let bs = o.filter_config["default_model"]["block_size"].clone();
             o.filter_config["models"]["m"] = json!({"block_size": bs, "sidecar_tokenizes": true});
         }

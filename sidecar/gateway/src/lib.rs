@@ -54,6 +54,7 @@ pub use route::{
 };
 pub use serve::{load_tokenizers, run as serve, wait_for_signal, ServeArgs};
 pub use state::{Channels, Sidecar};
+pub use tokenize::template::render_source as render_template;
 pub use tokenize::{
     Budget as TokenizeBudget, ContentFormat, ModelTokenizer, Tokenizers, DEFAULT_BUDGET_BYTES,
     MAX_FIELDS_BYTES,

@@ -80,11 +80,7 @@ impl ModelTokenizer {
                 ctx.insert("documents".into(), d);
             }
         }
-        let t = env
-            .get_template(template::NAME)
-            .map_err(|e| TokenizeError::Template(e.to_string()))?;
-        let mut text = t
-            .render(ctx)
+        let mut text = template::render(env, minijinja::Value::from(ctx))
             .map_err(|e| TokenizeError::Template(e.to_string()))?;
         if flag("continue_final_message", false) {
             cut_after_final(&mut text, &messages)?;

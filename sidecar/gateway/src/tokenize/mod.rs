@@ -33,6 +33,7 @@ mod cache;
 mod chat;
 mod conversation;
 mod error;
+mod pyvalue;
 pub mod template;
 
 use std::collections::HashMap;

@@ -17,19 +17,339 @@ use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, Error, ErrorKind};
 use serde::Serialize;
 
+use super::pyvalue;
+
 pub const NAME: &str = "chat";
 
 pub fn environment(source: String) -> Result<Environment<'static>, Error> {
+    environment_at(source, None)
+}
+
+/// [`environment`] whose `strftime_now` reads `clock` when given, else the time.
+fn environment_at(
+    source: String,
+    clock: Option<chrono::DateTime<chrono::Local>>,
+) -> Result<Environment<'static>, Error> {
     let mut env = Environment::new();
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
+    // Printing is Python's `str()`: reprs for containers, floats and strings inside them.
+    env.set_formatter(|out, _state, v| {
+        match v.as_str() {
+            Some(s) => out.write_str(s),
+            None => out.write_str(&pyvalue::to_py_str(v)),
+        }
+        .map_err(|_| Error::new(ErrorKind::WriteFailure, "write failed"))
+    });
     env.set_unknown_method_callback(python_methods);
     env.add_filter("tojson", tojson);
     env.add_filter("trim", trim);
+    env.add_filter("string", string);
+    env.add_filter("join", join);
+    env.add_filter("length", length);
+    env.add_filter("count", length);
+    env.add_filter("upper", |v: Value| {
+        Value::from(pyvalue::to_py_str(&v).to_uppercase())
+    });
+    env.add_filter("lower", |v: Value| {
+        Value::from(pyvalue::to_py_str(&v).to_lowercase())
+    });
+    env.add_filter("capitalize", capitalize);
+    env.add_filter("replace", replace);
+    env.add_filter("first", |v: Value| end_item(v, true));
+    env.add_filter("last", |v: Value| end_item(v, false));
+    env.add_filter("float", to_float);
+    env.add_filter("int", to_int);
+    env.add_test("iterable", iterable);
     env.add_function("raise_exception", raise_exception);
-    env.add_function("strftime_now", strftime_now);
-    env.add_template_owned(NAME, source)?;
+    env.add_function("strftime_now", move |format: String| {
+        strftime(clock.unwrap_or_else(chrono::Local::now), &format)
+    });
+    env.add_filter(
+        "format",
+        |fmt: Value, args: minijinja::value::Rest<Value>| {
+            pyvalue::percent_format(&pyvalue::to_py_str(&fmt), &args)
+                .map_err(|e| Error::new(ErrorKind::InvalidOperation, e))
+        },
+    );
+    env.add_template_owned(NAME, jinja_source(source))?;
     Ok(env)
+}
+
+/// The template source as Jinja2's lexer reads it: every newline (`\r\n`, `\r`) is `\n`
+/// (a template saved with Windows line endings renders Unix ones), and transformers'
+/// `{% generation %}` … `{% endgeneration %}` block (it only marks the assistant's text
+/// for training masks) becomes an `if true` block with the same whitespace control.
+fn jinja_source(source: String) -> String {
+    let mut s = if source.contains('\r') {
+        source.replace("\r\n", "\n").replace('\r', "\n")
+    } else {
+        source
+    };
+    if s.contains("generation") {
+        s = generation_blocks(&s);
+    }
+    s
+}
+
+/// `{%-? generation -?%}` → `{%-? if true -?%}`, `endgeneration` → `endif`.
+fn generation_blocks(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(at) = rest.find("{%") {
+        out.push_str(&rest[..at + 2]);
+        rest = &rest[at + 2..];
+        let lead = rest.len() - rest.trim_start_matches(['-', '+']).len();
+        let body = &rest[lead..];
+        let ws = body.len() - body.trim_start().len();
+        let word = &body[ws..];
+        let kw = ["endgeneration", "generation"].into_iter().find(|k| {
+            word.strip_prefix(k).is_some_and(|after| {
+                let t = after.trim_start().trim_start_matches(['-', '+']);
+                t.starts_with("%}")
+            })
+        });
+        if let Some(k) = kw {
+            out.push_str(&rest[..lead + ws]);
+            out.push_str(if k == "generation" {
+                "if true"
+            } else {
+                "endif"
+            });
+            rest = &word[k.len()..];
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Jinja2's `string` filter: Python's `str()`.
+fn string(v: Value) -> Value {
+    if v.kind() == minijinja::value::ValueKind::String {
+        v
+    } else {
+        Value::from(pyvalue::to_py_str(&v))
+    }
+}
+
+/// Jinja2's `join`: each item (or its `attribute`) as Python's `str()`, `d` between.
+fn join(
+    state: &minijinja::State,
+    v: Value,
+    d: Option<String>,
+    kwargs: Kwargs,
+) -> Result<String, Error> {
+    let attribute: Option<Value> = kwargs.get("attribute")?;
+    let d: Option<String> = match d {
+        Some(d) => Some(d),
+        None => kwargs.get("d")?,
+    };
+    kwargs.assert_all_used()?;
+    if v.is_undefined() {
+        return Ok(String::new());
+    }
+    let items = v.try_iter()?;
+    let mut out = String::new();
+    for (i, item) in items.enumerate() {
+        if i > 0 {
+            out.push_str(d.as_deref().unwrap_or_default());
+        }
+        let item = match &attribute {
+            Some(a) => match a.as_str() {
+                Some(path) => {
+                    path.split('.')
+                        .try_fold(item, |v, part| match part.parse::<i64>() {
+                            Ok(n) if v.kind() == minijinja::value::ValueKind::Seq => {
+                                v.get_item(&Value::from(n))
+                            }
+                            _ => v.get_attr(part),
+                        })?
+                }
+                None => item.get_item(a)?,
+            },
+            None => item,
+        };
+        if item.is_undefined() && state.undefined_behavior() == minijinja::UndefinedBehavior::Strict
+        {
+            return Err(Error::from(ErrorKind::UndefinedError));
+        }
+        pyvalue::py_str(&item, &mut out);
+    }
+    Ok(out)
+}
+
+/// Python's `str.capitalize` of `str(v)`: the first character upper case, the rest lower.
+fn capitalize(v: Value) -> Value {
+    let s = pyvalue::to_py_str(&v);
+    let mut chars = s.chars();
+    Value::from(match chars.next() {
+        None => String::new(),
+        Some(c) => c
+            .to_uppercase()
+            .chain(chars.flat_map(char::to_lowercase))
+            .collect(),
+    })
+}
+
+/// Jinja2's `replace`: `str(v).replace(old, new[, count])`.
+fn replace(v: Value, old: Value, new: Value, count: Option<i64>) -> Value {
+    let (s, old, new) = (
+        pyvalue::to_py_str(&v),
+        pyvalue::to_py_str(&old),
+        pyvalue::to_py_str(&new),
+    );
+    Value::from(match count.filter(|n| *n >= 0) {
+        Some(n) => s.replacen(&old, &new, usize::try_from(n).unwrap_or(usize::MAX)),
+        None => s.replace(&old, &new),
+    })
+}
+
+/// Jinja2's `first`/`last`: an undefined value, or an empty string, list or dict, gives
+/// undefined (Jinja2's "no first item"), which prints as nothing; None and numbers raise.
+fn end_item(v: Value, first: bool) -> Result<Value, Error> {
+    use minijinja::value::ValueKind;
+    match v.kind() {
+        ValueKind::Undefined => Ok(Value::UNDEFINED),
+        ValueKind::String => {
+            let s = v.as_str().unwrap_or_default();
+            let c = if first {
+                s.chars().next()
+            } else {
+                s.chars().next_back()
+            };
+            Ok(c.map_or(Value::UNDEFINED, Value::from))
+        }
+        ValueKind::Seq | ValueKind::Map | ValueKind::Iterable => {
+            let mut items = v.try_iter()?;
+            Ok(if first { items.next() } else { items.last() }.unwrap_or(Value::UNDEFINED))
+        }
+        k => Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("'{k}' object is not iterable"),
+        )),
+    }
+}
+
+/// Jinja2's `float(default=0.0)`: Python's `float()` of the value, the default when that
+/// fails (a string that is no number, a list, None).
+fn to_float(v: Value, default: Option<Value>) -> Value {
+    use minijinja::value::ValueKind;
+    let parsed = match v.kind() {
+        ValueKind::Number => f64::try_from(v.clone()).ok(),
+        ValueKind::Bool => Some(if v.is_true() { 1.0 } else { 0.0 }),
+        ValueKind::String => py_float(v.as_str().unwrap_or_default()),
+        _ => None,
+    };
+    parsed.map_or_else(|| default.unwrap_or(Value::from(0.0)), Value::from)
+}
+
+/// Jinja2's `int(default=0, base=10)`: `int()` of the value, else of its `float()`, else
+/// the default. (Only base 10; another base is refused.)
+fn to_int(v: Value, default: Option<Value>, base: Option<i64>) -> Result<Value, Error> {
+    use minijinja::value::ValueKind;
+    if base.is_some_and(|b| b != 10) {
+        return Err(Error::new(ErrorKind::InvalidOperation, "int: only base 10"));
+    }
+    let parsed = match v.kind() {
+        ValueKind::Number if v.is_integer() => Some(v.clone()),
+        ValueKind::Number => f64::try_from(v.clone())
+            .ok()
+            .filter(|f| f.is_finite())
+            .map(|f| Value::from(f.trunc() as i64)),
+        ValueKind::Bool => Some(Value::from(i64::from(v.is_true()))),
+        ValueKind::String => {
+            let s = v.as_str().unwrap_or_default();
+            let t = py_strip(s, None, Ends::Both);
+            t.replace('_', "")
+                .parse::<i64>()
+                .ok()
+                .filter(|_| !t.starts_with('_') && !t.ends_with('_') && !t.contains("__"))
+                .map(Value::from)
+                .or_else(|| {
+                    py_float(s)
+                        .filter(|f| f.is_finite())
+                        .map(|f| Value::from(f.trunc() as i64))
+                })
+        }
+        _ => None,
+    };
+    Ok(parsed.unwrap_or_else(|| default.unwrap_or(Value::from(0))))
+}
+
+/// Python's `float(str)` for the forms a template meets: surrounding whitespace,
+/// a sign, digits with an exponent, `inf`/`infinity`/`nan` in any case.
+fn py_float(s: &str) -> Option<f64> {
+    let t = py_strip(s, None, Ends::Both);
+    let body = t.trim_start_matches(['+', '-']);
+    if t.len() - body.len() > 1 {
+        return None;
+    }
+    let lower = body.to_ascii_lowercase();
+    if matches!(lower.as_str(), "inf" | "infinity" | "nan") {
+        return t.to_ascii_lowercase().parse::<f64>().ok();
+    }
+    let ok = !body.is_empty()
+        && body
+            .chars()
+            .all(|c| c.is_ascii_digit() || matches!(c, '.' | 'e' | 'E' | '+' | '-'));
+    if ok {
+        t.parse::<f64>().ok()
+    } else {
+        None
+    }
+}
+
+/// Jinja2's `iterable` test (`iter(v)` succeeds): strings, lists, dicts and undefined
+/// values (Jinja2's `Undefined` iterates as empty); not None, numbers or booleans, which
+/// minijinja would iterate as empty.
+fn iterable(v: Value) -> bool {
+    use minijinja::value::ValueKind;
+    match v.kind() {
+        ValueKind::None | ValueKind::Bool | ValueKind::Number => false,
+        ValueKind::Undefined | ValueKind::String | ValueKind::Seq | ValueKind::Map => true,
+        _ => v.try_iter().is_ok(),
+    }
+}
+
+/// Jinja2's `length`/`count`: Python's `len()`, which is 0 for an undefined value (Jinja2's
+/// `Undefined` has a length) and an error for None, numbers and booleans.
+fn length(v: Value) -> Result<Value, Error> {
+    if v.is_undefined() {
+        return Ok(Value::from(0));
+    }
+    v.len().map(Value::from).ok_or_else(|| {
+        Error::new(
+            ErrorKind::InvalidOperation,
+            format!("object of type {} has no len()", v.kind()),
+        )
+    })
+}
+
+/// `source` rendered over the JSON object `ctx` as a model's chat template is rendered:
+/// the template fidelity test's entry, which compares it with Jinja2 itself.
+/// `now` (Unix seconds) fixes what `strftime_now` sees, so a template that prints the
+/// time renders the same text as a reference rendered at that instant.
+pub fn render_source(source: &str, ctx: &str, now: Option<i64>) -> Result<String, Error> {
+    use chrono::TimeZone;
+    let ctx: Value = serde_json::from_str(ctx)
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("context: {e}")))?;
+    let clock = now.and_then(|t| chrono::Local.timestamp_opt(t, 0).single());
+    render(&environment_at(source.to_owned(), clock)?, ctx)
+}
+
+/// The chat template rendered over `ctx`, a panic inside the template engine turned into
+/// an error: the context is a network peer's, and minijinja 2.x indexes out of bounds on
+/// a reversed slice of an empty string or list (`content[::-1]`, `messages[::-1]` of
+/// nothing; fixed in 3.x). Such a request is refused (counted, kept on the text chain)
+/// and nothing else is touched: rendering holds no lock and shares no state.
+pub fn render(env: &Environment<'static>, ctx: Value) -> Result<String, Error> {
+    let t = env.get_template(NAME)?;
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| t.render(ctx))).unwrap_or_else(|_| {
+        Err(Error::new(
+            ErrorKind::InvalidOperation,
+            "the template engine failed on this request",
+        ))
+    })
 }
 
 /// Python's `str.isspace` for one character: Unicode White_Space plus the four
@@ -171,10 +491,10 @@ fn raise_exception(msg: String) -> Result<Value, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, msg))
 }
 
-fn strftime_now(format: String) -> Result<String, Error> {
+fn strftime(now: chrono::DateTime<chrono::Local>, format: &str) -> Result<String, Error> {
     use std::fmt::Write;
     let mut out = String::new();
-    write!(out, "{}", chrono::Local::now().format(&format))
+    write!(out, "{}", now.format(format))
         .map_err(|_| Error::new(ErrorKind::InvalidOperation, "bad strftime format"))?;
     Ok(out)
 }
@@ -187,6 +507,13 @@ fn tojson(v: Value, kwargs: Kwargs) -> Result<Value, Error> {
     let _: Option<bool> = kwargs.get("ensure_ascii")?;
     let _: Option<Value> = kwargs.get("separators")?;
     kwargs.assert_all_used()?;
+    if v.is_undefined() {
+        // json.dumps(Undefined) raises in Jinja2 (a missing tool description, say).
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            "tojson: an undefined value is not JSON serializable",
+        ));
+    }
     let mut json = serde_json::to_value(&v)
         .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     if sort_keys.unwrap_or(false) {
@@ -264,6 +591,12 @@ impl PyFormatter {
 }
 
 impl serde_json::ser::Formatter for PyFormatter {
+    /// Python's float repr (`1e-07`, `1e+21`), not serde_json's (`1e-7`, `1e21`).
+    fn write_f64<W: ?Sized + std::io::Write>(&mut self, w: &mut W, f: f64) -> std::io::Result<()> {
+        let mut s = String::new();
+        pyvalue::float_repr(f, &mut s);
+        w.write_all(s.as_bytes())
+    }
     fn begin_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
         self.open(w, b"[")
     }
