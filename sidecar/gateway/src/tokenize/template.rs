@@ -724,6 +724,43 @@ mod tests {
     }
 
     #[test]
+    fn a_reversed_slice_of_nothing_is_refused_not_a_panic() {
+        // minijinja 2.x indexes out of bounds here; a request must not reach that panic.
+        let src = "{% for m in messages[::-1] %}{{ m }}{% endfor %}{{ c[::-1] }}";
+        let e = render_source(src, r#"{"messages": [], "c": ""}"#, None).expect_err("refused");
+        assert!(e.to_string().contains("template engine failed"), "{e}");
+        assert_eq!(
+            render_source(src, r#"{"messages": ["a", "b"], "c": "xy"}"#, None)
+                .map_err(|e| e.to_string())
+                .as_deref(),
+            Ok("bayx")
+        );
+    }
+
+    #[test]
+    fn sources_read_as_jinja2_reads_them() {
+        // CRLF and lone CR are newlines; transformers' generation block keeps its body and
+        // its whitespace control.
+        let src = "{% if x %}\r\nA\rB{%- generation -%}  C  {%- endgeneration %}\r\n{% endif %}";
+        assert_eq!(
+            render_source(src, r#"{"x": true}"#, None)
+                .map_err(|e| e.to_string())
+                .as_deref(),
+            Ok("A\nBC")
+        );
+        assert_eq!(
+            render_source(
+                "{% generation %}{{ 1.5e-7 }}|{{ [1e21] | tojson }}{% endgeneration %}",
+                "{}",
+                None
+            )
+            .map_err(|e| e.to_string())
+            .as_deref(),
+            Ok("1.5e-07|[1e+21]")
+        );
+    }
+
+    #[test]
     fn raise_exception_fails_the_render() {
         let env = environment("{{ raise_exception('no system role') }}".into()).expect("t");
         let e = env
