@@ -340,6 +340,12 @@ async fn memory_stays_within_its_stated_bound() {
     let sc =
         SidecarProc::start(&["--max-index-mb", &MAX_INDEX_MB.to_string()], false).expect("sidecar");
     let api = Api::new(sc.addr);
+    // Filling takes longer than the default 30 s liveness timeout on a loaded 2-core CI
+    // machine (a debug build): the first models' pods would be removed as silent, their
+    // blocks with them, before the index is measured.
+    let mut cfg = api.get("/v1/config").await.json;
+    cfg["liveness_timeout_s"] = serde_json::json!(3600);
+    assert_eq!(api.put("/v1/config", &cfg).await.status, 200);
     let rss0 = kvroute_tests::procs::status_kib(sc.pid(), "VmRSS:");
     let mut rng = kvroute_tests::bench::Rng(0x2545_F491_4F6C_DD1D);
     let mut blocks = |n: usize| -> Vec<u64> { (0..n).map(|_| rng.next_u64()).collect() };
