@@ -33,6 +33,7 @@ mod cache;
 mod chat;
 mod conversation;
 mod error;
+mod filters;
 mod pyvalue;
 pub mod template;
 

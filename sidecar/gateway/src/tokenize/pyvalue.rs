@@ -3,9 +3,9 @@
 //! `1e+21`, `True`, `None`). minijinja's own text for containers is JSON-like and its
 //! floats never use an exponent, so a template printing a tool call's arguments, a list
 //! of parts or a schema's type list would render — and tokenize — differently from the
-//! engine. The environment (`template.rs`) uses these for printing (its formatter) and for
-//! the filters that call `str()` (`string`, `join`); what remains different (the `~`
-//! operator on a container, which minijinja evaluates itself) is in docs/architecture.md.
+//! engine. The environment (`template.rs`) prints with these, and the filters that call
+//! `str()` (`filters.rs`) use them; what remains different (the `~` operator on a
+//! container, which minijinja evaluates itself) is in docs/architecture.md.
 
 use std::fmt::Write;
 
@@ -78,19 +78,12 @@ fn is_plain_map(v: &Value) -> bool {
 /// An integer as Python prints it; a float as Python's `repr` (shortest round trip,
 /// exponent form below 1e-4 and from 1e16 on, `inf`, `nan`).
 fn number(v: &Value, out: &mut String) {
-    let Some(f) = v.as_object().map_or_else(|| f64_of(v), |_| None) else {
-        let _ = write!(out, "{v}");
-        return;
-    };
-    float_repr(f, out);
-}
-
-/// The float inside `v`, when `v` is a float (integers print as they are).
-fn f64_of(v: &Value) -> Option<f64> {
-    if v.is_integer() {
-        return None;
+    match f64::try_from(v.clone()) {
+        Ok(f) if !v.is_integer() => float_repr(f, out),
+        _ => {
+            let _ = write!(out, "{v}");
+        }
     }
-    f64::try_from(v.clone()).ok()
 }
 
 pub fn float_repr(f: f64, out: &mut String) {
@@ -280,21 +273,24 @@ fn signed(negative: bool, flags: &str, digits: String) -> String {
     format!("{sign}{digits}")
 }
 
-/// `int(v)` for `%d`: integers, booleans and floats (truncated).
-fn integer(v: &Value) -> Option<i128> {
+/// Python's `int(v)` of a number: integers, booleans and floats (truncated); `None` for
+/// anything else (strings are the `int` filter's to parse).
+pub fn integer(v: &Value) -> Option<i128> {
     match v.kind() {
         ValueKind::Bool => Some(i128::from(v.is_true())),
         ValueKind::Number if v.is_integer() => i128::try_from(v.clone()).ok(),
-        ValueKind::Number => f64::try_from(v.clone())
-            .ok()
-            .filter(|f| f.is_finite())
-            .map(|f| f.trunc() as i128),
+        ValueKind::Number => f64::try_from(v.clone()).ok().and_then(truncate),
         _ => None,
     }
 }
 
-/// `float(v)` for `%f`.
-fn real(v: &Value) -> Option<f64> {
+/// `int(f)`: toward zero; `None` for infinities and NaN (Python raises).
+pub fn truncate(f: f64) -> Option<i128> {
+    f.is_finite().then(|| f.trunc() as i128)
+}
+
+/// Python's `float(v)` of a number or boolean; `None` for anything else.
+pub fn real(v: &Value) -> Option<f64> {
     match v.kind() {
         ValueKind::Bool => Some(if v.is_true() { 1.0 } else { 0.0 }),
         ValueKind::Number => f64::try_from(v.clone()).ok(),

@@ -1,0 +1,215 @@
+//! Jinja2's filters and tests where minijinja's differ from what a chat template gets
+//! under transformers: every filter that calls Python's `str()` on its input (`string`,
+//! `join`, `upper`, `lower`, `capitalize`, `replace`, `format`'s `%`), and Jinja2's
+//! treatment of undefined and None (`length` of undefined is 0, `first`/`last` of nothing
+//! is undefined, `float`/`int` fall back to their defaults, `iterable` is Python's
+//! `iter()`). Each is proven against Jinja2 by `tests/tests/template_fidelity.rs`.
+
+use minijinja::value::{Kwargs, Rest, Value};
+use minijinja::{Environment, Error, ErrorKind};
+
+use super::pyvalue;
+use super::template::{py_strip, Ends};
+
+/// Installs these over minijinja's built-ins of the same names.
+pub fn add(env: &mut Environment<'static>) {
+    env.add_filter("string", string);
+    env.add_filter("join", join);
+    env.add_filter("length", length);
+    env.add_filter("count", length);
+    env.add_filter("upper", |v: Value| {
+        Value::from(pyvalue::to_py_str(&v).to_uppercase())
+    });
+    env.add_filter("lower", |v: Value| {
+        Value::from(pyvalue::to_py_str(&v).to_lowercase())
+    });
+    env.add_filter("capitalize", capitalize);
+    env.add_filter("replace", replace);
+    env.add_filter("first", |v: Value| end_item(v, true));
+    env.add_filter("last", |v: Value| end_item(v, false));
+    env.add_filter("float", to_float);
+    env.add_filter("int", to_int);
+    env.add_filter("format", |fmt: Value, args: Rest<Value>| {
+        pyvalue::percent_format(&pyvalue::to_py_str(&fmt), &args)
+            .map_err(|e| Error::new(ErrorKind::InvalidOperation, e))
+    });
+    env.add_test("iterable", iterable);
+}
+
+/// Jinja2's `string` filter: Python's `str()`.
+fn string(v: Value) -> Value {
+    if v.kind() == minijinja::value::ValueKind::String {
+        v
+    } else {
+        Value::from(pyvalue::to_py_str(&v))
+    }
+}
+
+/// Jinja2's `join`: each item (or its `attribute`) as Python's `str()`, `d` between.
+fn join(v: Value, d: Option<String>, kwargs: Kwargs) -> Result<String, Error> {
+    let attribute: Option<Value> = kwargs.get("attribute")?;
+    let d: Option<String> = match d {
+        Some(d) => Some(d),
+        None => kwargs.get("d")?,
+    };
+    kwargs.assert_all_used()?;
+    if v.is_undefined() {
+        return Ok(String::new());
+    }
+    let items = v.try_iter()?;
+    let mut out = String::new();
+    for (i, item) in items.enumerate() {
+        if i > 0 {
+            out.push_str(d.as_deref().unwrap_or_default());
+        }
+        let item = match &attribute {
+            Some(a) => match a.as_str() {
+                Some(path) => {
+                    path.split('.')
+                        .try_fold(item, |v, part| match part.parse::<i64>() {
+                            Ok(n) if v.kind() == minijinja::value::ValueKind::Seq => {
+                                v.get_item(&Value::from(n))
+                            }
+                            _ => v.get_attr(part),
+                        })?
+                }
+                None => item.get_item(a)?,
+            },
+            None => item,
+        };
+        pyvalue::py_str(&item, &mut out);
+    }
+    Ok(out)
+}
+
+/// Python's `str.capitalize` of `str(v)`: the first character upper case, the rest lower.
+fn capitalize(v: Value) -> Value {
+    let s = pyvalue::to_py_str(&v);
+    let mut chars = s.chars();
+    Value::from(match chars.next() {
+        None => String::new(),
+        Some(c) => c
+            .to_uppercase()
+            .chain(chars.flat_map(char::to_lowercase))
+            .collect(),
+    })
+}
+
+/// Jinja2's `replace`: `str(v).replace(old, new[, count])`.
+fn replace(v: Value, old: Value, new: Value, count: Option<i64>) -> Value {
+    let (s, old, new) = (
+        pyvalue::to_py_str(&v),
+        pyvalue::to_py_str(&old),
+        pyvalue::to_py_str(&new),
+    );
+    Value::from(match count.filter(|n| *n >= 0) {
+        Some(n) => s.replacen(&old, &new, usize::try_from(n).unwrap_or(usize::MAX)),
+        None => s.replace(&old, &new),
+    })
+}
+
+/// Jinja2's `first`/`last`: an undefined value, or an empty string, list or dict, gives
+/// undefined (Jinja2's "no first item"), which prints as nothing; None and numbers raise.
+fn end_item(v: Value, first: bool) -> Result<Value, Error> {
+    use minijinja::value::ValueKind;
+    match v.kind() {
+        ValueKind::Undefined => Ok(Value::UNDEFINED),
+        ValueKind::String => {
+            let s = v.as_str().unwrap_or_default();
+            let c = if first {
+                s.chars().next()
+            } else {
+                s.chars().next_back()
+            };
+            Ok(c.map_or(Value::UNDEFINED, Value::from))
+        }
+        ValueKind::Seq | ValueKind::Map | ValueKind::Iterable => {
+            let mut items = v.try_iter()?;
+            Ok(if first { items.next() } else { items.last() }.unwrap_or(Value::UNDEFINED))
+        }
+        k => Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("'{k}' object is not iterable"),
+        )),
+    }
+}
+
+/// Jinja2's `float(default=0.0)`: Python's `float()` of the value, the default when that
+/// fails (a string that is no number, a list, None).
+fn to_float(v: Value, default: Option<Value>) -> Value {
+    let parsed = match v.as_str() {
+        Some(s) => py_float(s),
+        None => pyvalue::real(&v),
+    };
+    parsed.map_or_else(|| default.unwrap_or(Value::from(0.0)), Value::from)
+}
+
+/// Jinja2's `int(default=0, base=10)`: `int()` of the value, else of its `float()`, else
+/// the default. (Only base 10; another base is refused.)
+fn to_int(v: Value, default: Option<Value>, base: Option<i64>) -> Result<Value, Error> {
+    if base.is_some_and(|b| b != 10) {
+        return Err(Error::new(ErrorKind::InvalidOperation, "int: only base 10"));
+    }
+    let parsed = match v.as_str() {
+        Some(s) => {
+            let t = py_strip(s, None, Ends::Both);
+            let digits = !t.starts_with('_') && !t.ends_with('_') && !t.contains("__");
+            t.replace('_', "")
+                .parse::<i128>()
+                .ok()
+                .filter(|_| digits)
+                .or_else(|| py_float(s).and_then(pyvalue::truncate))
+        }
+        None => pyvalue::integer(&v),
+    };
+    Ok(parsed.map_or_else(|| default.unwrap_or(Value::from(0)), Value::from))
+}
+
+/// Python's `float(str)` for the forms a template meets: surrounding whitespace,
+/// a sign, digits with an exponent, `inf`/`infinity`/`nan` in any case.
+fn py_float(s: &str) -> Option<f64> {
+    let t = py_strip(s, None, Ends::Both);
+    let body = t.trim_start_matches(['+', '-']);
+    if t.len() - body.len() > 1 {
+        return None;
+    }
+    let lower = body.to_ascii_lowercase();
+    if matches!(lower.as_str(), "inf" | "infinity" | "nan") {
+        return t.to_ascii_lowercase().parse::<f64>().ok();
+    }
+    let ok = !body.is_empty()
+        && body
+            .chars()
+            .all(|c| c.is_ascii_digit() || matches!(c, '.' | 'e' | 'E' | '+' | '-'));
+    if ok {
+        t.parse::<f64>().ok()
+    } else {
+        None
+    }
+}
+
+/// Jinja2's `iterable` test (`iter(v)` succeeds): strings, lists, dicts and undefined
+/// values (Jinja2's `Undefined` iterates as empty); not None, numbers or booleans, which
+/// minijinja would iterate as empty.
+fn iterable(v: Value) -> bool {
+    use minijinja::value::ValueKind;
+    match v.kind() {
+        ValueKind::None | ValueKind::Bool | ValueKind::Number => false,
+        ValueKind::Undefined | ValueKind::String | ValueKind::Seq | ValueKind::Map => true,
+        _ => v.try_iter().is_ok(),
+    }
+}
+
+/// Jinja2's `length`/`count`: Python's `len()`, which is 0 for an undefined value (Jinja2's
+/// `Undefined` has a length) and an error for None, numbers and booleans.
+fn length(v: Value) -> Result<Value, Error> {
+    if v.is_undefined() {
+        return Ok(Value::from(0));
+    }
+    v.len().map(Value::from).ok_or_else(|| {
+        Error::new(
+            ErrorKind::InvalidOperation,
+            format!("object of type {} has no len()", v.kind()),
+        )
+    })
+}
