@@ -109,6 +109,40 @@ async fn chats_follow_the_engines_events() {
         "no decision expected more than the engine had: {}",
         st["agreement"]
     );
+    // The agreement names the chat template the sidecar rendered with (where it came
+    // from and its sha256), in the API and the metric, as the model's tokenizer shows it.
+    let template = st["agreement"][0]["template"].as_str().unwrap_or_default();
+    let digits = template
+        .strip_prefix("tokenizer_config.json sha256:")
+        .unwrap_or_default();
+    assert!(
+        digits.len() == 16 && digits.chars().all(|c| c.is_ascii_hexdigit()),
+        "{}",
+        st["agreement"]
+    );
+    let model = st["models"]
+        .as_array()
+        .and_then(|ms| ms.iter().find(|m| m["model"] == "m"))
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(model["tokenizer"]["template"], template, "{model}");
+    let metrics = reqwest::get(format!("http://{}/metrics", stack.sidecar.addr))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .unwrap_or_default();
+    assert!(
+        metrics.contains(&format!(
+            "kvroute_cache_agreement_total{{model=\"m\",template=\"{template}\",outcome=\"agree\"}} "
+        )),
+        "{}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("agreement"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
 
     // An engine restart: its blocks leave the index at once (new epoch via the bridge).
     let pod = turns[0]["pod"].as_str().unwrap_or_default().to_string();

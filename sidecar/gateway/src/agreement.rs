@@ -8,12 +8,16 @@
 //! is one of three outcomes: `agree` (within one block: engines do not count the last
 //! prompt token as cached), `over` (the router expected more than the engine had) or
 //! `under` (the engine had more than the router knew). A model whose recent agreement
-//! falls below [`WARN_BELOW`] gets a warning in the log, at most once a minute.
+//! falls below [`WARN_BELOW`] gets a warning in the log, at most once a minute. A model
+//! the sidecar tokenizes names its chat template (file and sha256) in the warning, the
+//! API and the metric, so a template that renders differently from the engine's shows as
+//! such at once.
 //!
 //! Written by [`crate::route::report_at`] (reports → here, one way); read by the admin
 //! API and the metrics renderer.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -63,12 +67,16 @@ struct Window {
     agreeing: usize,
     totals: [u64; 3],
     warned: Option<Instant>,
+    /// The chat template of the latest judged report, when the sidecar tokenizes.
+    template: Option<Arc<str>>,
 }
 
 /// One model's agreement, as the API shows it.
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct ModelAgreement {
     pub model: String,
+    /// The chat template the sidecar renders this model's prompts with, if it does.
+    pub template: Option<String>,
     pub agree: u64,
     pub over: u64,
     pub under: u64,
@@ -83,12 +91,16 @@ pub struct Agreement {
 }
 
 impl Agreement {
-    pub fn record(&self, model: &str, o: Outcome, now: Instant) {
+    /// One judged report of `model`, whose prompts the sidecar renders with `template`.
+    pub fn record(&self, model: &str, template: Option<&Arc<str>>, o: Outcome, now: Instant) {
         let mut m = self.by_model.lock();
         if !m.contains_key(model) && m.len() >= MAX_MODELS {
             return;
         }
         let w = m.entry(model.to_owned()).or_default();
+        if w.template.as_ref() != template {
+            w.template = template.cloned();
+        }
         w.totals[o as usize] += 1;
         let ok = o == Outcome::Agree;
         w.recent.push_back(ok);
@@ -107,6 +119,10 @@ impl Agreement {
             w.warned = Some(now);
             tracing::warn!(
                 model,
+                template = w
+                    .template
+                    .as_deref()
+                    .unwrap_or("none (the filter hashes tokens)"),
                 agreement = format!("{:.0}%", ratio * 100.0),
                 reports = n,
                 over = w.totals[Outcome::Over as usize],
@@ -124,6 +140,7 @@ impl Agreement {
             .iter()
             .map(|(model, w)| ModelAgreement {
                 model: model.clone(),
+                template: w.template.as_deref().map(str::to_owned),
                 agree: w.totals[Outcome::Agree as usize],
                 over: w.totals[Outcome::Over as usize],
                 under: w.totals[Outcome::Under as usize],
@@ -154,12 +171,14 @@ mod tests {
         let a = Agreement::default();
         let now = Instant::now();
         for _ in 0..WINDOW {
-            a.record("m", Outcome::Over, now);
+            a.record("m", None, Outcome::Over, now);
         }
+        let t: Arc<str> = "chat_template.jinja sha256:0123456789abcdef".into();
         for _ in 0..WINDOW / 2 {
-            a.record("m", Outcome::Agree, now);
+            a.record("m", Some(&t), Outcome::Agree, now);
         }
         let s = &a.snapshot()[0];
+        assert_eq!(s.template.as_deref(), Some(&*t));
         assert_eq!((s.agree, s.over, s.under), (50, 100, 0));
         assert_eq!(s.recent_reports, WINDOW);
         assert_eq!(s.recent_ratio, Some(0.5));

@@ -128,15 +128,18 @@ pub struct Metrics {
     /// API requests refused before any handler ran, by reason ("unauthorized",
     /// "foreign_origin", "foreign_host", "content_type").
     pub api_refused: Labeled,
-    /// Reports judged against the index, by model and outcome (`agreement`).
+    /// Reports judged against the index, by model, chat template and outcome (`agreement`).
     cache_agreement: Family<Label, Counter>,
 }
 
 impl Metrics {
-    pub fn agreement(&self, model: &str, outcome: &'static str) {
+    /// One judged report; `template` is the chat template the sidecar rendered the
+    /// model's prompts with ("" when the filter hashed tokens itself).
+    pub fn agreement(&self, model: &str, template: Option<&str>, outcome: &'static str) {
         self.cache_agreement
             .get_or_create(&vec![
                 ("model", model.to_owned()),
+                ("template", template.unwrap_or_default().to_owned()),
                 ("outcome", outcome.to_owned()),
             ])
             .inc();

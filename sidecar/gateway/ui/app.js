@@ -86,8 +86,10 @@ function drawStatus(s, d) {
       el("td", { class: "num" }, fmt(m.live_pods)),
       el("td", { class: "num" }, fmt(m.draining_pods)),
       el("td", {}, `${m.block_size} / ${m.text_block_bytes}`),
-      el("td", { class: ratio === null ? "" : ratio < 0.8 ? "bad" : "good", "data-agreement": ratio ?? "" },
-        ratio === null ? "no reports yet" : `${fmt(ratio * 100)}% of ${a.recent_reports}`),
+      el("td", { class: ratio === null ? "" : ratio < 0.8 ? "bad" : "good", "data-agreement": ratio ?? "",
+                 title: a?.template ? `chat template ${a.template}` : "" },
+        ratio === null ? "no reports yet" : `${fmt(ratio * 100)}% of ${a.recent_reports}`
+          + (ratio < 0.8 && a.template ? ` (template ${a.template})` : "")),
       el("td", {}, a ? `${a.agree} / ${a.over} / ${a.under}` : "–"));
   }));
 

@@ -82,8 +82,11 @@ pub fn report_at(sc: &Sidecar, r: &CompletionReport, now: Instant) {
     if !p.predicted && from_cache_pod {
         let bs = cfg.block_size(&p.model, Mode::Tokens) as u64;
         let o = Outcome::of(p.expected_cached, c, bs);
-        sc.agreement.record(&p.model, o, now);
-        sc.metrics.agreement(&p.model, o.label());
+        let toks = sc.tokenizers();
+        let template = toks.get(&p.model).and_then(|t| t.template_id());
+        sc.agreement.record(&p.model, template, o, now);
+        sc.metrics
+            .agreement(&p.model, template.map(|t| &**t), o.label());
     }
     if p.predicted && from_cache_pod {
         // The engine held fewer of the guessed blocks than the router believed, by more

@@ -67,6 +67,9 @@ pub struct ModelTokenizer {
     dir: PathBuf,
     tok: tokenizers::Tokenizer,
     env: Option<minijinja::Environment<'static>>,
+    /// Which template `env` renders: where it came from and its text's sha256, so an
+    /// operator can tell which template a disagreeing model runs.
+    template: Option<Arc<str>>,
     specials: HashMap<&'static str, String>,
     splitter: Option<Splitter>,
     cache: SegmentCache,
@@ -91,6 +94,16 @@ fn token_string(v: &Value) -> Option<String> {
     }
 }
 
+fn template_id(from: &str, source: &str) -> Arc<str> {
+    use sha2::Digest;
+    use std::fmt::Write;
+    let mut id = format!("{from} sha256:");
+    for b in &sha2::Sha256::digest(source.as_bytes())[..8] {
+        let _ = write!(id, "{b:02x}");
+    }
+    id.into()
+}
+
 fn load_err(p: &Path, e: impl std::fmt::Display) -> TokenizeError {
     TokenizeError::Load(format!("{}: {e}", p.display()))
 }
@@ -107,20 +120,21 @@ impl ModelTokenizer {
         };
         let jinja = dir.join("chat_template.jinja");
         let source = match std::fs::read_to_string(&jinja) {
-            Ok(s) => Some(s),
+            Ok(s) => Some(("chat_template.jinja", s)),
             Err(_) => match &cfg["chat_template"] {
-                Value::String(s) => Some(s.clone()),
+                Value::String(s) => Some(("tokenizer_config.json", s.clone())),
                 Value::Array(named) => named
                     .iter()
                     .find(|t| t["name"] == "default")
                     .or(named.first())
                     .and_then(|t| t["template"].as_str())
-                    .map(str::to_owned),
+                    .map(|s| ("tokenizer_config.json", s.to_owned())),
                 _ => None,
             },
         };
+        let template = source.as_ref().map(|(from, s)| template_id(from, s));
         let env = source
-            .map(template::environment)
+            .map(|(_, s)| template::environment(s))
             .transpose()
             .map_err(|e| load_err(&jinja, e))?;
         let specials = SPECIAL_NAMES
@@ -132,6 +146,7 @@ impl ModelTokenizer {
             dir: dir.to_owned(),
             tok,
             env,
+            template,
             specials,
             splitter,
             cache: SegmentCache::new(cache_bytes),
@@ -212,6 +227,7 @@ impl ModelTokenizer {
     /// vLLM's `--chat-template FILE` does.
     pub fn with_chat_template(mut self, file: &Path) -> Result<ModelTokenizer, TokenizeError> {
         let source = std::fs::read_to_string(file).map_err(|e| load_err(file, e))?;
+        self.template = Some(template_id(&file.display().to_string(), &source));
         self.env = Some(template::environment(source).map_err(|e| load_err(file, e))?);
         self.merge_inline_system = std::sync::OnceLock::new();
         self.disabled_effort = std::sync::OnceLock::new();
@@ -225,6 +241,12 @@ impl ModelTokenizer {
 
     pub fn has_template(&self) -> bool {
         self.env.is_some()
+    }
+
+    /// The chat template's identity, `<where it came from> sha256:<16 hex digits of its
+    /// text's sha256>` (`sha256sum` of a template file shows the same digits).
+    pub fn template_id(&self) -> Option<&Arc<str>> {
+        self.template.as_ref()
     }
 
     /// Whether requests share encoded pieces (see the module doc).
