@@ -126,23 +126,10 @@ async fn chats_follow_the_engines_events() {
         .cloned()
         .unwrap_or_default();
     assert_eq!(model["tokenizer"]["template"], template, "{model}");
-    let metrics = reqwest::get(format!("http://{}/metrics", stack.sidecar.addr))
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .unwrap_or_default();
-    assert!(
-        metrics.contains(&format!(
-            "kvroute_cache_agreement_total{{model=\"m\",template=\"{template}\",outcome=\"agree\"}} "
-        )),
-        "{}",
-        metrics
-            .lines()
-            .filter(|l| l.contains("agreement"))
-            .collect::<Vec<_>>()
-            .join("\n")
+    let series = format!(
+        "kvroute_cache_agreement_total{{model=\"m\",template=\"{template}\",outcome=\"agree\"}}"
     );
+    assert!(stack.api.metric(&series).await > 0.0, "{series}");
 
     // An engine restart: its blocks leave the index at once (new epoch via the bridge).
     let pod = turns[0]["pod"].as_str().unwrap_or_default().to_string();
