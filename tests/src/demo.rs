@@ -373,6 +373,55 @@ pub async fn run(
     results.into_iter().flatten().collect()
 }
 
+/// One request of a timed replay: when it is due (from the replay's start), the session
+/// it belongs to (a session's requests run in order: each waits for the one before it as
+/// well as for its time), and the call.
+#[derive(Clone, Debug)]
+pub struct Timed {
+    pub at: Duration,
+    pub session: Option<u64>,
+    pub call: Call,
+}
+
+/// Replay `items` against `base` on their clock (open loop across sessions, closed within
+/// one), at most `max_in_flight` at once. Outcomes in `items` order.
+pub async fn run_timed(base: &str, items: &[Timed], max_in_flight: usize) -> Vec<Outcome> {
+    let http = reqwest::Client::new();
+    let mut sessions: BTreeMap<(bool, u64), Vec<usize>> = BTreeMap::new();
+    for (i, t) in items.iter().enumerate() {
+        let key = t.session.map_or((false, i as u64), |s| (true, s));
+        sessions.entry(key).or_default().push(i);
+    }
+    let gate = Arc::new(tokio::sync::Semaphore::new(max_in_flight.max(1)));
+    let start = tokio::time::Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for (_, idx) in sessions {
+        let reqs: Vec<(usize, Duration, Call)> = idx
+            .into_iter()
+            .map(|i| (i, items[i].at, items[i].call.clone()))
+            .collect();
+        let (http, base, gate) = (http.clone(), base.to_string(), gate.clone());
+        tasks.spawn(async move {
+            let mut out = Vec::new();
+            for (i, at, c) in reqs {
+                tokio::time::sleep_until(start + at).await;
+                let Ok(_permit) = gate.acquire().await else {
+                    break;
+                };
+                out.push((i, call(&http, &base, &c).await));
+            }
+            out
+        });
+    }
+    let mut all = vec![Outcome::default(); items.len()];
+    while let Some(r) = tasks.join_next().await {
+        for (i, o) in r.unwrap_or_default() {
+            all[i] = o;
+        }
+    }
+    all
+}
+
 /// The figures of one run.
 #[derive(Clone, Debug)]
 pub struct Summary {

@@ -315,6 +315,8 @@ pub async fn run(args: EngineArgs) -> anyhow::Result<()> {
         .route("/v1/chat/completions", post(complete))
         .route("/v1/messages", post(complete))
         .route("/v1/responses", post(complete))
+        .route("/v1/completions/render", post(render))
+        .route("/v1/chat/completions/render", post(render))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { "ok" }))
         .route("/kvroute/dump", get(dump))
@@ -408,6 +410,36 @@ async fn metrics(State(eng): State<Arc<Engine>>) -> String {
         eng.running.load(Ordering::Relaxed),
         eng.waiting.load(Ordering::Relaxed),
     )
+}
+
+/// vLLM's render API: the token ids the engine would run for a request, without running
+/// it (`GenerateRequest`; a list of them for completions). vLLM's router (`kv_aware`)
+/// asks a worker for them to look the prompt up in the blocks its events announced.
+async fn render(State(eng): State<Arc<Engine>>, uri: axum::http::Uri, body: Bytes) -> Response {
+    let v: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return error(StatusCode::BAD_REQUEST, &format!("invalid JSON: {e}")),
+    };
+    let path = uri.path().trim_end_matches("/render");
+    match eng.tokenize(path, &v) {
+        Ok(t) if !t.is_empty() => {
+            let g = json!({"request_id": format!("render-{}", eng.rng.lock().next_u64()),
+                           "token_ids": t, "model": eng.args.model,
+                           "sampling_params": {"max_tokens": v["max_tokens"].as_u64().unwrap_or(16)}});
+            Json(if Api::of(path) == Api::Chat {
+                g
+            } else {
+                json!([g])
+            })
+            .into_response()
+        }
+        Ok(_) => error(StatusCode::BAD_REQUEST, "empty prompt"),
+        Err(e) => error(StatusCode::BAD_REQUEST, &e),
+    }
+}
+
+fn error(status: StatusCode, message: &str) -> Response {
+    (status, Json(json!({"error": {"message": message}}))).into_response()
 }
 
 async fn models(State(eng): State<Arc<Engine>>) -> Json<Value> {

@@ -9,6 +9,7 @@ pub mod demo;
 pub mod engine;
 pub mod engine_api;
 pub mod envoy;
+pub mod peers;
 pub mod procs;
 pub mod radix;
 pub mod services;

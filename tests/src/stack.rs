@@ -139,6 +139,8 @@ pub struct Stack {
     pub engines: Vec<EngineProc>,
     /// One per engine with `vllm_events`.
     pub bridges: Vec<BridgeProc>,
+    /// The engines' ZMQ event endpoints, in engine order, with `vllm_events`.
+    pub zmq: Vec<String>,
     pub envoy: Envoy,
     pub plain: Envoy,
     pub api: Api,
@@ -248,11 +250,24 @@ impl Stack {
             sidecar,
             engines,
             bridges,
+            zmq,
             envoy,
             plain,
             api,
             opts: o,
         })
+    }
+
+    /// The engines as a router is given them (with their event endpoints, if any).
+    pub fn workers(&self) -> Vec<crate::peers::Worker> {
+        self.engines
+            .iter()
+            .enumerate()
+            .map(|(i, e)| crate::peers::Worker {
+                http: e.addr,
+                zmq: self.zmq.get(i).cloned(),
+            })
+            .collect()
     }
 
     /// Empty every engine's cache (a simulated restart: new epoch), e.g. between runs.

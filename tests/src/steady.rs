@@ -6,20 +6,16 @@
 //!   turned over once;
 //! - [`runs`] replays a [`ChatLoad`] through a gateway `n` times (seed per run), with
 //!   the sidecar's decision and misprediction counts per run when there is one;
-//! - [`Smg`] runs SGLang's model gateway (`smg`, from PyPI) over the same engines, so
-//!   its figures come from the real thing, side by side.
+//!
+//! The real routers run over the same engines through [`crate::peers`].
 
 use std::net::SocketAddr;
-use std::path::Path;
-use std::process::Command;
-use std::time::Duration;
 
 use serde_json::{json, Value};
 
 use crate::bench::Rng;
 use crate::client::Api;
 use crate::demo::{self, ChatLoad, Summary};
-use crate::procs::{free_port, Child};
 
 /// Send every engine unique token prompts of `prompt_tokens` until it has been asked to
 /// cache `turnover` times its capacity, so its cache is full of blocks no later request
@@ -115,43 +111,4 @@ pub async fn runs(
         });
     }
     out
-}
-
-/// SGLang's model gateway over the given engines, on loopback.
-pub struct Smg {
-    pub url: String,
-    _child: Child,
-}
-
-impl Smg {
-    /// `smg launch` with `policy` (e.g. `cache_aware`), its log in `log`. Fails at once
-    /// when `smg` is not installed (`pip install smg`).
-    pub async fn start(engines: &[SocketAddr], policy: &str, log: &Path) -> anyhow::Result<Smg> {
-        let port = free_port();
-        let mut cmd = Command::new("smg");
-        cmd.args(["launch", "--host", "127.0.0.1", "--port", &port.to_string()])
-            .arg("--worker-urls")
-            .args(engines.iter().map(|a| format!("http://{a}")))
-            .args(["--policy", policy, "--log-level", "warn"])
-            .args(["--prometheus-port", &free_port().to_string()])
-            .arg("--disable-tokenizer-autoload");
-        let child = Child::spawn("smg", &mut cmd, Some(log))?;
-        let url = format!("http://127.0.0.1:{port}");
-        let http = reqwest::Client::new();
-        for _ in 0..300 {
-            let probe = json!({"model": "m", "prompt": "ready?", "max_tokens": 1});
-            if let Ok(r) = http
-                .post(format!("{url}/v1/completions"))
-                .json(&probe)
-                .send()
-                .await
-            {
-                if r.status().is_success() {
-                    return Ok(Smg { url, _child: child });
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        anyhow::bail!("smg did not answer within 30 s (log: {})", log.display())
-    }
 }

@@ -1,5 +1,6 @@
 //! vLLM's side of the KV event wire, for the simulated engine: a ZMQ PUB socket sending
-//! `KVEventBatch` msgpack (the map encoding of recent vLLM, SHA-256-sized byte hashes) as
+//! `KVEventBatch` msgpack as recent vLLM encodes it (the batch a positional array, its
+//! events maps tagged by "type" with every field present, SHA-256-sized byte hashes) as
 //! (topic, sequence, payload) frames. Hashes are salted per process like vLLM's, so the
 //! only way to kvroute's names is the bridge's translation from token ids — which is
 //! what the end-to-end tests check.
@@ -68,11 +69,9 @@ impl VllmPublisher {
     }
 
     fn send(&mut self, events: Vec<Value>) {
-        let batch = Value::Map(vec![
-            ("ts".into(), 0.0.into()),
-            ("events".into(), Value::Array(events)),
-            ("data_parallel_rank".into(), 0.into()),
-        ]);
+        // vLLM's `EventBatch` is an `array_like` struct: `[ts, events, data_parallel_rank]`;
+        // only the events inside are maps tagged by "type".
+        let batch = Value::Array(vec![0.0.into(), Value::Array(events), 0.into()]);
         let mut payload = Vec::new();
         if rmpv::encode::write_value(&mut payload, &batch).is_ok() {
             let _ = self.tx.send(Msg::Batch(self.seq, payload));
@@ -136,6 +135,7 @@ impl VllmPublisher {
                     Value::Array(ids.iter().map(|&t| t.into()).collect()),
                 ),
                 ("block_size".into(), self.block_size.into()),
+                ("lora_id".into(), Value::Nil),
                 ("medium".into(), "GPU".into()),
                 ("lora_name".into(), Value::Nil),
                 (

@@ -5,6 +5,7 @@
 pub mod filter;
 pub mod heap;
 pub mod index;
+pub mod peers;
 pub mod route;
 pub mod tokenize;
 pub mod trace;

@@ -116,6 +116,33 @@ enum Cmd {
         #[arg(long, value_delimiter = ',')]
         text_bytes_per_token: Vec<f64>,
     },
+    /// kvroute beside the real routers (smg, vllm-router; `make peers-deps`) on the same
+    /// engines and workloads, in one run.
+    Peers {
+        /// Comma-separated: chat, mooncake, agentic.
+        #[arg(long, value_delimiter = ',', default_value = "chat,mooncake,agentic")]
+        workloads: Vec<String>,
+        /// Comma-separated gateway labels (default: all), e.g. "kvroute precise,smg cache_aware".
+        #[arg(long, value_delimiter = ',')]
+        gateways: Vec<String>,
+        #[arg(long, default_value_t = 2)]
+        rounds: usize,
+        /// Engine KV cache, 16-token blocks.
+        #[arg(long, default_value_t = 2048)]
+        capacity_blocks: u32,
+        /// Seconds of each trace replayed.
+        #[arg(long, default_value_t = 120.0)]
+        trace_seconds: f64,
+        #[arg(long, default_value_t = 2.0)]
+        speedup: f64,
+        /// Tokens of text one 512-token trace block becomes.
+        #[arg(long, default_value_t = 64)]
+        block_text: u32,
+        #[arg(long, default_value_t = 24)]
+        chat_users: usize,
+        #[arg(long, default_value_t = 200)]
+        overhead_requests: usize,
+    },
     /// Replay a Mooncake-format trace through the index (and the radix baseline).
     Trace {
         /// Trace file (default: tests/data/mooncake_synthetic_trace.jsonl, shipped in the repository).
@@ -153,6 +180,33 @@ fn main() -> anyhow::Result<()> {
                 .enable_all()
                 .build()?;
             rt.block_on(bench::filter::run(&bench::filter::Opts { requests }))?
+        }
+        Cmd::Peers {
+            workloads,
+            gateways,
+            rounds,
+            capacity_blocks,
+            trace_seconds,
+            speedup,
+            block_text,
+            chat_users,
+            overhead_requests,
+        } => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?;
+            rt.block_on(bench::peers::run(&bench::peers::Opts {
+                workloads,
+                gateways,
+                rounds,
+                capacity_blocks,
+                trace_seconds,
+                speedup,
+                block_text,
+                chat_users,
+                overhead_requests,
+            }))?
         }
         Cmd::Route {
             clients,

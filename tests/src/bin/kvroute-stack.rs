@@ -10,8 +10,8 @@
 //! - `up [--vllm-events]`: start the stack and print what to `curl`, until Ctrl-C; with
 //!   `--vllm-events` the engines publish as vLLM does and a bridge runs beside each.
 //! - `runs`: the steady state — engines' caches filled first, then the same chat load
-//!   run after run with fresh prefixes through kvroute, round-robin Envoy or SGLang's
-//!   `smg` over the same engines; one JSON line per run.
+//!   run after run with fresh prefixes through kvroute, round-robin Envoy or a peer router
+//!   (SGLang's `smg`, vLLM's router) over the same engines; one JSON line per run.
 //! - `render-envoy`: print the shipped Envoy configuration (envoy/envoy.yaml).
 
 use std::io::Write as _;
@@ -19,6 +19,7 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 use kvroute_tests::demo::{self, WorkloadOpts};
+use kvroute_tests::peers::{Kind, Peer};
 use kvroute_tests::stack::{Stack, StackOpts};
 use serde_json::json;
 
@@ -46,7 +47,9 @@ enum Cmd {
     },
     /// Consecutive runs of a multi-turn chat load on engines whose caches are full.
     Runs {
-        /// kvroute | round-robin | smg (SGLang's model gateway, cache_aware)
+        /// kvroute | round-robin | smg (SGLang's model gateway, cache_aware) | a peer
+        /// router as `kvroute-bench peers` names it (smg:prefix_hash,
+        /// vllm-router:cache_aware; kv_aware needs the engines' vLLM events)
         #[arg(long, default_value = "kvroute")]
         gateway: String,
         #[arg(long, default_value_t = 4)]
@@ -293,11 +296,17 @@ async fn steady_runs(
     })
     .await?;
     let engines: Vec<_> = stack.engines.iter().map(|e| e.addr).collect();
-    let log = std::env::temp_dir().join(format!("kvroute-smg-{}.log", std::process::id()));
-    let smg = match gateway {
-        "smg" => Some(kvroute_tests::steady::Smg::start(&engines, "cache_aware", &log).await?),
+    let log = std::env::temp_dir().join(format!("kvroute-peer-{}.log", std::process::id()));
+    let kind = match gateway {
+        "smg" => Some(Kind::SmgCacheAware),
         "kvroute" | "round-robin" => None,
-        other => anyhow::bail!("unknown gateway {other:?} (kvroute | round-robin | smg)"),
+        other => Some(Kind::parse(other).ok_or_else(|| {
+            anyhow::anyhow!("unknown gateway {other:?} (kvroute | round-robin | smg | a peer: smg:prefix_hash, vllm-router:cache_aware, ...)")
+        })?),
+    };
+    let smg = match kind {
+        Some(k) => Some(Peer::start(k, &stack.workers(), 16, &log).await?),
+        None => None,
     };
     let (base, sidecar) = match (gateway, &smg) {
         ("kvroute", _) => (stack.envoy.url(""), Some(&stack.api)),

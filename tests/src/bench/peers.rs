@@ -1,0 +1,433 @@
+//! `kvroute-bench peers`: kvroute beside the real routers, in one run, on the same engines.
+//!
+//! One stack (NATS, sidecar, 4 engine simulators publishing vLLM's ZMQ events with a
+//! `kvroute-bridge` beside each, tokenizing with a real model directory) and every
+//! gateway over those engines: round-robin Envoy, kvroute precise and predicted (Envoy +
+//! filter + the one sidecar), and the peers of [`crate::peers`] as shipped. Each
+//! workload runs through every gateway in turn, `rounds` times with the order rotated,
+//! every run with fresh prefixes on engines whose caches are full of other runs' blocks,
+//! so each router meets the steady state and the machine's noise touches all alike.
+//!
+//! Workloads: `chat` (multi-turn chat over shared long system prompts, closed loop),
+//! `mooncake` (the public Mooncake trace, on its clock) and `agentic` (the Claude Code
+//! sessions, on theirs); trace blocks become text (a 512-token block → `--block-text`
+//! tokens of prose derived from its id), so every router sees the prompts users send.
+//! Hit rate is what the engines report (`cached_tokens`); the routers' own cost is
+//! measured apart, on 4 KB prompts every engine already caches, against the same
+//! requests sent straight to an engine.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::bench::{Rng, Samples};
+use crate::demo::{self, Call, ChatLoad, Summary, TextKind, Timed};
+use crate::envoy::{Envoy, EnvoyLayout, Fallback, SidecarAddr};
+use crate::peers::{Kind, Peer};
+use crate::stack::{Stack, StackOpts};
+use crate::workload::{self, AgenticOpts};
+
+#[derive(Clone, Debug)]
+pub struct Opts {
+    /// chat | mooncake | agentic, in order.
+    pub workloads: Vec<String>,
+    /// Gateways by label (`kvroute precise`, `smg cache_aware`, ...); empty: all.
+    pub gateways: Vec<String>,
+    pub rounds: usize,
+    /// Engine KV cache, 16-token blocks.
+    pub capacity_blocks: u32,
+    /// Trace seconds replayed (from the start of the trace, or of the sessions).
+    pub trace_seconds: f64,
+    /// Trace time compression.
+    pub speedup: f64,
+    /// Tokens of text a trace's 512-token block becomes.
+    pub block_text: u32,
+    pub chat_users: usize,
+    /// Requests per gateway in the overhead measurement.
+    pub overhead_requests: usize,
+}
+
+impl Default for Opts {
+    fn default() -> Self {
+        Opts {
+            workloads: vec!["chat".into(), "mooncake".into(), "agentic".into()],
+            gateways: vec![],
+            rounds: 2,
+            capacity_blocks: 2048,
+            trace_seconds: 120.0,
+            speedup: 2.0,
+            block_text: 64,
+            chat_users: 24,
+            overhead_requests: 200,
+        }
+    }
+}
+
+/// A gateway under test: where to send requests and which processes are its cost.
+struct Gateway {
+    label: String,
+    base: String,
+    pids: Vec<u32>,
+}
+
+/// CPU seconds (user + system) of a process so far.
+fn cpu_s(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces) start at ") ".
+    let rest = stat.rsplit_once(") ").map_or("", |r| r.1);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // utime and stime are fields 14 and 15 of the whole line: 11 and 12 after ") ".
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+fn cpu_of(pids: &[u32]) -> f64 {
+    pids.iter().map(|&p| cpu_s(p)).sum()
+}
+
+fn rss_mib(pids: &[u32]) -> f64 {
+    pids.iter()
+        .map(|&p| crate::procs::status_kib(p, "VmRSS:") as f64 / 1024.0)
+        .sum()
+}
+
+/// Prose standing for one trace block: the same id (in the same run) gives the same text.
+fn block_text(id: u64, salt: u64, tokens: u32) -> String {
+    let mut rng = Rng(id ^ salt.rotate_left(17) ^ 0x5EED);
+    // o200k reads this prose at ~4.5 bytes a token; a newline ends every block, so no
+    // token spans two blocks.
+    let mut t = TextKind::Prose.text(&mut rng, (tokens as usize * 9) / 2);
+    t.push('\n');
+    t
+}
+
+/// A trace's requests as timed text completions.
+fn timed(reqs: &[workload::Request], salt: u64, o: &Opts) -> Vec<Timed> {
+    reqs.iter()
+        .filter(|r| r.ts_ms <= o.trace_seconds * 1000.0)
+        .map(|r| {
+            let prompt: String = r
+                .chain
+                .iter()
+                .map(|&b| block_text(b, salt, o.block_text))
+                .collect();
+            let scale = o.block_text as f64 / workload::MOONCAKE_BLOCK_TOKENS as f64;
+            let max_tokens = ((r.output_tokens as f64 * scale).round() as u64).clamp(1, 64);
+            Timed {
+                at: Duration::from_secs_f64(r.ts_ms / 1000.0 / o.speedup),
+                session: r.session,
+                call: Call::Completion(json!({"model": "m", "prompt": prompt,
+                    "max_tokens": max_tokens, "stream": true,
+                    "stream_options": {"include_usage": true}})),
+            }
+        })
+        .collect()
+}
+
+/// One workload, ready to run with a seed (fresh prefixes per seed).
+enum Load {
+    Chat(ChatLoad),
+    Trace(Vec<workload::Request>),
+}
+
+impl Load {
+    async fn run(&self, base: &str, seed: u64, o: &Opts) -> Vec<demo::Outcome> {
+        match self {
+            Load::Chat(c) => {
+                let s = demo::chat_load(ChatLoad { seed, ..*c });
+                demo::run(base, &s, 8, |_, _| {}).await
+            }
+            Load::Trace(reqs) => demo::run_timed(base, &timed(reqs, seed, o), 64).await,
+        }
+    }
+}
+
+fn load(name: &str, o: &Opts) -> anyhow::Result<Load> {
+    Ok(match name {
+        "chat" => Load::Chat(ChatLoad {
+            users: o.chat_users,
+            ..ChatLoad::default()
+        }),
+        "mooncake" => Load::Trace(workload::load_mooncake(&workload::default_trace())?),
+        "agentic" => Load::Trace(workload::load_agentic(
+            &workload::default_agentic(),
+            AgenticOpts {
+                block_tokens: workload::MOONCAKE_BLOCK_TOKENS,
+                mean_gap_s: 4.0,
+                seed: 1,
+            },
+        )?),
+        other => anyhow::bail!("unknown workload {other:?} (chat | mooncake | agentic)"),
+    })
+}
+
+/// A gateway's figures over its runs of one workload.
+struct Row {
+    summary: Summary,
+    cpu_s: f64,
+    rss_mib: f64,
+}
+
+fn merged(runs: &[(Vec<demo::Outcome>, f64, f64)]) -> Row {
+    let all: Vec<demo::Outcome> = runs.iter().flat_map(|r| r.0.iter().cloned()).collect();
+    Row {
+        summary: demo::summarize(&all),
+        cpu_s: runs.iter().map(|r| r.1).sum(),
+        rss_mib: runs.iter().map(|r| r.2).fold(0.0, f64::max),
+    }
+}
+
+fn table(title: &str, rows: &[(String, Row)], engines: usize) -> String {
+    let mut s = format!(
+        "\n{title}\n{:<24} {:>8} {:>6} {:>9} {:>10} {:>10} {:>10} {:>10} {:>9} {:>8} {:>8}\n",
+        "gateway",
+        "requests",
+        "failed",
+        "hit rate",
+        "TTFT mean",
+        "TTFT p50",
+        "TTFT p99",
+        "E2E p50",
+        "max/mean",
+        "CPU s",
+        "RSS MiB"
+    );
+    for (name, r) in rows {
+        let x = &r.summary;
+        s += &format!(
+            "{:<24} {:>8} {:>6} {:>8.1}% {:>8.1}ms {:>8.1}ms {:>8.1}ms {:>8.1}ms {:>9.2} {:>8.1} {:>8.1}\n",
+            name,
+            x.requests,
+            x.failed,
+            x.hit_rate * 100.0,
+            x.ttft_mean_ms,
+            x.ttft_p50_ms,
+            x.ttft_p99_ms,
+            x.e2e_p50_ms,
+            x.max_load_share * engines as f64,
+            r.cpu_s,
+            r.rss_mib
+        );
+    }
+    s
+}
+
+fn row_json(r: &Row, engines: usize) -> Value {
+    let mut v = r.summary.json();
+    v["max_mean_load"] =
+        json!((r.summary.max_load_share * engines as f64 * 1000.0).round() / 1000.0);
+    v["cpu_s"] = json!((r.cpu_s * 100.0).round() / 100.0);
+    v["rss_mib"] = json!((r.rss_mib * 10.0).round() / 10.0);
+    v
+}
+
+/// Added latency of each gateway over sending the same request straight to an engine:
+/// 4 KB text prompts every engine has cached, one token out, sent one at a time with
+/// the gateways interleaved request by request.
+async fn overhead(
+    gws: &[Gateway],
+    engines: &[std::net::SocketAddr],
+    n: usize,
+) -> anyhow::Result<Vec<(String, f64, f64)>> {
+    let http = reqwest::Client::new();
+    let mut rng = Rng(0x0E4D);
+    let prompts: Vec<String> = (0..16)
+        .map(|_| TextKind::Prose.text(&mut rng, 4096))
+        .collect();
+    let body = |p: &String| json!({"model": "m", "prompt": p, "max_tokens": 1});
+    for p in &prompts {
+        for e in engines {
+            http.post(format!("http://{e}/v1/completions"))
+                .json(&body(p))
+                .send()
+                .await?
+                .bytes()
+                .await?;
+        }
+    }
+    let mut direct = Samples::with_capacity(n);
+    let mut per: Vec<Samples> = gws.iter().map(|_| Samples::with_capacity(n)).collect();
+    for i in 0..n {
+        let p = &prompts[i % prompts.len()];
+        let e = engines[i % engines.len()];
+        let t = Instant::now();
+        http.post(format!("http://{e}/v1/completions"))
+            .json(&body(p))
+            .send()
+            .await?
+            .bytes()
+            .await?;
+        direct.push(t.elapsed().as_nanos() as u64);
+        for (g, s) in gws.iter().zip(per.iter_mut()) {
+            let t = Instant::now();
+            http.post(format!("{}/v1/completions", g.base))
+                .json(&body(p))
+                .send()
+                .await?
+                .bytes()
+                .await?;
+            s.push(t.elapsed().as_nanos() as u64);
+        }
+    }
+    let (d50, d99) = (direct.pct(50.0) as f64, direct.pct(99.0) as f64);
+    Ok(gws
+        .iter()
+        .zip(per.iter_mut())
+        .map(|(g, s)| {
+            (
+                g.label.clone(),
+                (s.pct(50.0) as f64 - d50) / 1e6,
+                (s.pct(99.0) as f64 - d99) / 1e6,
+            )
+        })
+        .collect())
+}
+
+pub async fn run(o: &Opts) -> anyhow::Result<Value> {
+    let dir = crate::fixture_model_dir("deepseek-tools")?;
+    let engine_args = crate::stack::engine_args(o.capacity_blocks, 8000, 20, 0.5);
+    eprintln!(
+        "== stack: 4 engine sims ({} blocks of 16 tokens each, vLLM ZMQ events + kvroute-bridge, tokenizer {})",
+        o.capacity_blocks,
+        dir.display()
+    );
+    let stack = Stack::start(StackOpts {
+        engine_args,
+        vllm_events: true,
+        model_dir: Some(dir),
+        ..StackOpts::default()
+    })
+    .await?;
+    let engines: Vec<_> = stack.engines.iter().map(|e| e.addr).collect();
+    let n_engines = engines.len();
+    let wasm = crate::wasm_path();
+    let predicted_layout = EnvoyLayout {
+        listen_port: 0,
+        sidecar: SidecarAddr::Uds(stack.sidecar.uds.clone().unwrap_or_default()),
+        engines: engines.clone(),
+        wasm_path: wasm,
+        filter_config: json!({"timeout_ms": 50, "default_model": {"block_size": 16}}),
+        with_filter: true,
+        fallback: Fallback::RoundRobin,
+        access_log: false,
+    };
+    let predicted: Envoy =
+        tokio::task::spawn_blocking(move || Envoy::start(&predicted_layout)).await??;
+    let mut kvroute_pids = vec![stack.sidecar.pid()];
+    kvroute_pids.extend(stack.bridges.iter().map(|b| b.child.pid()));
+    let mut gws = vec![
+        Gateway {
+            label: "round-robin Envoy".into(),
+            base: stack.plain.url(""),
+            pids: vec![stack.plain.child.pid()],
+        },
+        Gateway {
+            label: "kvroute precise".into(),
+            base: stack.envoy.url(""),
+            pids: [vec![stack.envoy.child.pid()], kvroute_pids.clone()].concat(),
+        },
+        Gateway {
+            label: "kvroute predicted".into(),
+            base: predicted.url(""),
+            pids: [vec![predicted.child.pid()], kvroute_pids].concat(),
+        },
+    ];
+    let want = |l: &str| o.gateways.is_empty() || o.gateways.iter().any(|g| g == l);
+    let mut peers = Vec::new();
+    for k in Kind::ALL.into_iter().filter(|k| want(k.label())) {
+        let log = std::env::temp_dir().join(format!(
+            "kvroute-peers-{}-{}.log",
+            k.label().replace(' ', "-"),
+            std::process::id()
+        ));
+        eprintln!("== starting {} (log {})", k.label(), log.display());
+        let p = Peer::start(k, &stack.workers(), 16, &log).await?;
+        gws.push(Gateway {
+            label: k.label().into(),
+            base: p.url.clone(),
+            pids: vec![p.pid()],
+        });
+        peers.push(p);
+    }
+    gws.retain(|g| want(&g.label));
+    anyhow::ensure!(!gws.is_empty(), "no gateway selected");
+
+    eprintln!("== the routers' added latency: 4 KB prompts, cached everywhere, one at a time");
+    let ov = overhead(&gws, &engines, o.overhead_requests).await?;
+
+    eprintln!("== filling the engines' caches");
+    crate::steady::fill_caches(&engines, o.capacity_blocks, 16, 1.5).await?;
+    let mut out = json!({"engines": n_engines, "capacity_blocks": o.capacity_blocks,
+        "rounds": o.rounds, "versions": {"smg": crate::peers::SMG_VERSION,
+        "vllm-router": crate::peers::VLLM_ROUTER_VERSION}, "workloads": {}});
+    let mut printed = String::new();
+    for (wi, name) in o.workloads.iter().enumerate() {
+        let l = load(name, o)?;
+        let mut runs: Vec<Vec<(Vec<demo::Outcome>, f64, f64)>> =
+            gws.iter().map(|_| vec![]).collect();
+        for round in 0..o.rounds {
+            for k in 0..gws.len() {
+                let gi = (k + round) % gws.len();
+                let g = &gws[gi];
+                let seed = 1000 * (wi as u64 + 1) + 100 * round as u64 + gi as u64;
+                let cpu0 = cpu_of(&g.pids);
+                let t = Instant::now();
+                let outcomes = l.run(&g.base, seed, o).await;
+                let cpu = cpu_of(&g.pids) - cpu0;
+                let s = demo::summarize(&outcomes);
+                eprintln!(
+                    "   {name} round {} {:<24} {:>5} requests in {:>5.1} s: hit {:.3}, TTFT mean {:.1} ms",
+                    round + 1,
+                    g.label,
+                    outcomes.len(),
+                    t.elapsed().as_secs_f64(),
+                    s.hit_rate,
+                    s.ttft_mean_ms
+                );
+                runs[gi].push((outcomes, cpu, rss_mib(&g.pids)));
+            }
+        }
+        let rows: Vec<(String, Row)> = gws
+            .iter()
+            .zip(&runs)
+            .map(|(g, r)| (g.label.clone(), merged(r)))
+            .collect();
+        let t = table(
+            &format!(
+                "{name}: {} rounds, every gateway on the same full engines",
+                o.rounds
+            ),
+            &rows,
+            n_engines,
+        );
+        print!("{t}");
+        printed += &t;
+        out["workloads"][name] = rows
+            .iter()
+            .map(|(l, r)| (l.clone(), row_json(r, n_engines)))
+            .collect::<serde_json::Map<_, _>>()
+            .into();
+    }
+    let mut t = format!(
+        "\nadded latency over a direct request (4 KB prompt, {} requests each)\n{:<24} {:>10} {:>10}\n",
+        o.overhead_requests, "gateway", "p50", "p99"
+    );
+    for (l, p50, p99) in &ov {
+        t += &format!("{l:<24} {p50:>8.2}ms {p99:>8.2}ms\n");
+    }
+    print!("{t}");
+    out["added_latency_ms"] = ov
+        .iter()
+        .map(|(l, a, b)| {
+            (
+                l.clone(),
+                json!({"p50": (a * 1000.0).round() / 1000.0, "p99": (b * 1000.0).round() / 1000.0}),
+            )
+        })
+        .collect::<serde_json::Map<_, _>>()
+        .into();
+    drop(peers);
+    drop(predicted);
+    drop(stack);
+    Ok(out)
+}
