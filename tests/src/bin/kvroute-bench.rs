@@ -125,15 +125,18 @@ enum Cmd {
         /// Comma-separated gateway labels (default: all), e.g. "kvroute precise,smg cache_aware".
         #[arg(long, value_delimiter = ',')]
         gateways: Vec<String>,
-        #[arg(long, default_value_t = 2)]
+        /// Runs of each workload through each gateway (order rotated every round).
+        #[arg(long, default_value_t = 1)]
         rounds: usize,
         /// Engine KV cache, 16-token blocks.
-        #[arg(long, default_value_t = 2048)]
+        #[arg(long, default_value_t = 4096)]
         capacity_blocks: u32,
-        /// Seconds of each trace replayed.
-        #[arg(long, default_value_t = 120.0)]
-        trace_seconds: f64,
-        #[arg(long, default_value_t = 2.0)]
+        /// Seconds of each trace replayed (default: the whole Mooncake trace, the
+        /// sessions' first 900 s).
+        #[arg(long)]
+        trace_seconds: Option<f64>,
+        /// Traces arrive and engines run this many times faster than real time.
+        #[arg(long, default_value_t = 8.0)]
         speedup: f64,
         /// Tokens of text one 512-token trace block becomes.
         #[arg(long, default_value_t = 64)]
