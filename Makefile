@@ -13,7 +13,7 @@ JSPKG := shared/js/pkg
 BUILD_GIB := 2
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test deps wasm js js-test ui-deps tokenizer-deps peers-deps peers build lint fmt reliability clean
+.PHONY: demo test deps wasm js js-test ui-deps tokenizer-deps peers-deps peers peers-dynamo build lint fmt reliability clean
 
 demo: deps wasm js tokenizer-deps
 	$(CARGO) build --release -p kvroute-sidecar -p kvroute-bridge -p kvroute-tests
@@ -92,6 +92,22 @@ peers-deps:
 peers: deps wasm js tokenizer-deps peers-deps
 	$(CARGO) build --release -p kvroute-sidecar -p kvroute-bridge -p kvroute-tests
 	target/release/kvroute-bench peers $(PEERS_ARGS)
+
+# NVIDIA Dynamo's KV router, offline: its own trace replay (PyPI ai-dynamo, mocker engines)
+# beside the simulator's imitation of its policy, same trace, workers and capacity. The
+# full install pulls a package that downloads from outside the registries, so it goes in
+# without dependencies plus the few it imports.
+DYNAMO_VERSION := 1.6.1
+DYNAMO_VENV := target/peers/dynamo-venv
+peers-dynamo:
+	@$(DYNAMO_VENV)/bin/python -c 'import dynamo.replay.api' 2>/dev/null || \
+		{ echo "installing ai-dynamo $(DYNAMO_VERSION) (pip, --no-deps) into $(DYNAMO_VENV)"; python3 -m venv $(DYNAMO_VENV) && \
+		  $(DYNAMO_VENV)/bin/python -m pip install --quiet --no-deps 'ai-dynamo==$(DYNAMO_VERSION)' 'ai-dynamo-runtime==$(DYNAMO_VERSION)' && \
+		  $(DYNAMO_VENV)/bin/python -m pip install --quiet 'pydantic<=2.13.5' uvloop msgspec pyzmq aiohttp prometheus-client tqdm zstandard; }
+	$(CARGO) build --release -p kvroute-tests --bin kvroute-bench
+	$(DYNAMO_VENV)/bin/python tests/peers/dynamo_replay.py tests/data/mooncake_synthetic_trace.jsonl 8 1024 kv_router
+	$(DYNAMO_VENV)/bin/python tests/peers/dynamo_replay.py tests/data/mooncake_synthetic_trace.jsonl 8 1024 round_robin
+	target/release/kvroute-bench sim --trace tests/data/mooncake_synthetic_trace.jsonl --pods 8 --capacity-blocks 1024 --policies kvroute,dynamo,round-robin
 
 build: wasm js
 	$(CARGO) build --release --workspace
