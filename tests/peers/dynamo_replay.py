@@ -23,8 +23,11 @@ def main():
         trace_block_size=512,
     )
     r = report if isinstance(report, dict) else report.to_dict()
-    keep = {k: v for k, v in r.items() if isinstance(v, (int, float, str))}
-    print(json.dumps({"router_mode": mode, "workers": workers, "blocks": blocks, **keep}))
+    s = r.get("summary", {})
+    keep = ["prefix_cache_reused_ratio", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+            "mean_e2e_latency_ms", "p99_e2e_latency_ms"]
+    print(json.dumps({"router_mode": mode, "workers": workers, "blocks": blocks,
+                      **{k: s.get(k) for k in keep}}))
 
 
 if __name__ == "__main__":
