@@ -30,7 +30,9 @@ async fn every_peer_routes_through_the_engine_simulators() {
     let http = reqwest::Client::new();
     let dir = tempfile::tempdir().expect("tempdir");
     for kind in Kind::ALL {
-        let log = dir.path().join(format!("{}.log", kind.label().replace(' ', "-")));
+        let log = dir
+            .path()
+            .join(format!("{}.log", kind.label().replace(' ', "-")));
         let peer = Peer::start(kind, &workers, 16, &log)
             .await
             .unwrap_or_else(|e| panic!("{}: {e:#}", kind.label()));

@@ -162,12 +162,12 @@ fn load(name: &str, o: &Opts) -> anyhow::Result<Load> {
         ),
         "agentic" => Load::Trace(
             workload::load_agentic(
-            &workload::default_agentic(),
-            AgenticOpts {
-                block_tokens: workload::MOONCAKE_BLOCK_TOKENS,
-                mean_gap_s: 4.0,
-                seed: 1,
-            },
+                &workload::default_agentic(),
+                AgenticOpts {
+                    block_tokens: workload::MOONCAKE_BLOCK_TOKENS,
+                    mean_gap_s: 4.0,
+                    seed: 1,
+                },
             )?,
             o.trace_seconds.unwrap_or(900.0),
         ),
