@@ -27,6 +27,9 @@ use crate::peers::{Kind, Peer};
 use crate::stack::{Stack, StackOpts};
 use crate::workload::{self, AgenticOpts};
 
+/// The engines' prefill rate, tokens per simulated second.
+const PREFILL_TPS: u32 = 8000;
+
 #[derive(Clone, Debug)]
 pub struct Opts {
     /// chat | mooncake | agentic, in order.
@@ -299,8 +302,12 @@ async fn overhead(
 
 pub async fn run(o: &Opts) -> anyhow::Result<Value> {
     let dir = crate::fixture_model_dir("deepseek-tools")?;
-    let engine_args =
-        crate::stack::engine_args(o.capacity_blocks, 8000, 20, 1.0 / o.speedup.max(1e-3));
+    let engine_args = crate::stack::engine_args(
+        o.capacity_blocks,
+        PREFILL_TPS,
+        20,
+        1.0 / o.speedup.max(1e-3),
+    );
     eprintln!(
         "== stack: 4 engine sims ({} blocks of 16 tokens each, vLLM ZMQ events + kvroute-bridge, tokenizer {})",
         o.capacity_blocks,
@@ -313,6 +320,16 @@ pub async fn run(o: &Opts) -> anyhow::Result<Value> {
         ..StackOpts::default()
     })
     .await?;
+    // kvroute's one engine-speed setting, as an operator sets it: the engines' prefill rate
+    // in wall time (8,000 tokens/s simulated, run `speedup` times faster).
+    let mut cfg = stack.api.get("/v1/config").await.json;
+    cfg["prefill_tokens_per_s"] = json!(PREFILL_TPS as f64 * o.speedup);
+    let r = stack.api.put("/v1/config", &cfg).await;
+    anyhow::ensure!(
+        r.status == 200,
+        "setting the sidecar's prefill rate: {}",
+        r.json
+    );
     let engines: Vec<_> = stack.engines.iter().map(|e| e.addr).collect();
     let n_engines = engines.len();
     let wasm = crate::wasm_path();
