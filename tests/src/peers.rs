@@ -60,11 +60,6 @@ impl Kind {
         }
     }
 
-    /// Does it need the engines' ZMQ event endpoints?
-    pub fn needs_events(self) -> bool {
-        self == Kind::VllmKvAware
-    }
-
     pub fn parse(s: &str) -> Option<Kind> {
         Kind::ALL
             .into_iter()
@@ -99,7 +94,6 @@ pub fn peer_bin(name: &str) -> PathBuf {
 
 /// A running peer router.
 pub struct Peer {
-    pub kind: Kind,
     pub url: String,
     child: Child,
 }
@@ -161,7 +155,7 @@ impl Peer {
         }
         let child = Child::spawn(kind.label(), &mut cmd, Some(log))?;
         let url = format!("http://127.0.0.1:{port}");
-        let mut peer = Peer { kind, url, child };
+        let mut peer = Peer { url, child };
         let http = reqwest::Client::new();
         for _ in 0..300 {
             let probe = json!({"model": "m", "prompt": "ready?", "max_tokens": 1});

@@ -251,15 +251,20 @@ async fn overhead(
     let prompts: Vec<String> = (0..16)
         .map(|_| TextKind::Prose.text(&mut rng, 4096))
         .collect();
-    let body = |p: &String| json!({"model": "m", "prompt": p, "max_tokens": 1});
+    // One request, answered in full; how long it took.
+    let send = |base: String, p: &String| {
+        let req = http
+            .post(format!("{base}/v1/completions"))
+            .json(&json!({"model": "m", "prompt": p, "max_tokens": 1}));
+        async move {
+            let t = Instant::now();
+            req.send().await?.bytes().await?;
+            Ok::<u64, anyhow::Error>(t.elapsed().as_nanos() as u64)
+        }
+    };
     for p in &prompts {
         for e in engines {
-            http.post(format!("http://{e}/v1/completions"))
-                .json(&body(p))
-                .send()
-                .await?
-                .bytes()
-                .await?;
+            send(format!("http://{e}"), p).await?;
         }
     }
     let mut direct = Samples::with_capacity(n);
@@ -267,23 +272,9 @@ async fn overhead(
     for i in 0..n {
         let p = &prompts[i % prompts.len()];
         let e = engines[i % engines.len()];
-        let t = Instant::now();
-        http.post(format!("http://{e}/v1/completions"))
-            .json(&body(p))
-            .send()
-            .await?
-            .bytes()
-            .await?;
-        direct.push(t.elapsed().as_nanos() as u64);
+        direct.push(send(format!("http://{e}"), p).await?);
         for (g, s) in gws.iter().zip(per.iter_mut()) {
-            let t = Instant::now();
-            http.post(format!("{}/v1/completions", g.base))
-                .json(&body(p))
-                .send()
-                .await?
-                .bytes()
-                .await?;
-            s.push(t.elapsed().as_nanos() as u64);
+            s.push(send(g.base.clone(), p).await?);
         }
     }
     let (d50, d99) = (direct.pct(50.0) as f64, direct.pct(99.0) as f64);

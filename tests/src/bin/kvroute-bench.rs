@@ -178,11 +178,7 @@ fn main() -> anyhow::Result<()> {
             seed: 7,
         }),
         Cmd::Filter { requests } => {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()?;
-            rt.block_on(bench::filter::run(&bench::filter::Opts { requests }))?
+            runtime()?.block_on(bench::filter::run(&bench::filter::Opts { requests }))?
         }
         Cmd::Peers {
             workloads,
@@ -194,40 +190,28 @@ fn main() -> anyhow::Result<()> {
             block_text,
             chat_users,
             overhead_requests,
-        } => {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()?;
-            rt.block_on(bench::peers::run(&bench::peers::Opts {
-                workloads,
-                gateways,
-                rounds,
-                capacity_blocks,
-                trace_seconds,
-                speedup,
-                block_text,
-                chat_users,
-                overhead_requests,
-            }))?
-        }
+        } => runtime()?.block_on(bench::peers::run(&bench::peers::Opts {
+            workloads,
+            gateways,
+            rounds,
+            capacity_blocks,
+            trace_seconds,
+            speedup,
+            block_text,
+            chat_users,
+            overhead_requests,
+        }))?,
         Cmd::Route {
             clients,
             seconds,
             chain_blocks,
             pods,
-        } => {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()?;
-            rt.block_on(bench::route::run(&bench::route::Opts {
-                clients,
-                seconds,
-                chain_blocks,
-                pods,
-            }))?
-        }
+        } => runtime()?.block_on(bench::route::run(&bench::route::Opts {
+            clients,
+            seconds,
+            chain_blocks,
+            pods,
+        }))?,
         Cmd::Sim {
             trace,
             workload,
@@ -373,4 +357,13 @@ fn main() -> anyhow::Result<()> {
     };
     println!("{v}");
     Ok(())
+}
+
+/// The runtime the network benchmarks run on: two workers, as many as the machine they
+/// are quoted for has cores.
+fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
 }
