@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use kvroute_shared::canon::AdapterRule;
 use serde::Deserialize;
 
-#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ModelSettings {
     /// Tokens per block: must equal the engines' block size for this model.

@@ -11,7 +11,7 @@ use kvroute_shared::protocol::{
     CompletionReport, PromptApi, PromptBody, RouteRequest, RouteResponse,
 };
 
-use crate::config::FilterConfig;
+use crate::config::{FilterConfig, ModelSettings};
 use crate::usage::Usage;
 
 /// Why a request was not steered. `as_str` is the metric label.
@@ -135,16 +135,45 @@ pub fn parse<'a>(
 /// Chain a parsed request and encode the sidecar's route body.
 pub fn route_request(
     cfg: &FilterConfig,
-    mut req: canon::Request<'_>,
+    req: canon::Request<'_>,
     body: &[u8],
     h: FromHeaders<'_>,
 ) -> Result<Prepared, Skip> {
+    let (route, responses) = build_route(cfg, req, body, h, |_, s| *s)?;
+    let blocks = route.chain.len();
+    let binary = blocks > cfg.binary_above_blocks;
+    let route_body = if binary {
+        route.encode_binary()
+    } else {
+        serde_json::to_vec(&route).map_err(|_| Skip::BadAnswer)?
+    };
+    Ok(Prepared {
+        model: route.model,
+        blocks,
+        prompt_tokens: route.prompt_tokens,
+        route_body,
+        binary,
+        responses,
+    })
+}
+
+/// A parsed request as the sidecar's route request, and whether it is a Responses
+/// request. `settings` may replace the configured model settings (the sidecar's picker
+/// takes block sizes from its own policy); the filter keeps them as configured. The one
+/// place where both front doors turn a request into a route, so they chain alike.
+pub fn build_route(
+    cfg: &FilterConfig,
+    mut req: canon::Request<'_>,
+    body: &[u8],
+    h: FromHeaders<'_>,
+    settings: impl FnOnce(&str, &ModelSettings) -> ModelSettings,
+) -> Result<(RouteRequest, bool), Skip> {
     if !cfg.tenant_header.is_empty() {
         // The trusted tenant, not the client, names the namespace.
         req.cache_salt = std::borrow::Cow::Owned(h.tenant.unwrap_or_default().to_owned());
     }
     let (base, _) = cfg.adapters.resolve(&req.model);
-    let settings = cfg.model(base);
+    let settings = settings(base, cfg.model(base));
     let mode = req.prompt.mode();
     let block_size = match mode {
         kvroute_shared::Mode::Tokens => settings.block_size,
@@ -168,7 +197,6 @@ pub fn route_request(
     };
     let chained = req.chain(&cfg.adapters, block_size);
     let prompt_tokens = u32::try_from(req.prompt.approx_tokens()).unwrap_or(u32::MAX);
-    let blocks = chained.chain.len();
     let route = RouteRequest {
         model: chained.base_model,
         adapter: chained.adapter,
@@ -191,20 +219,7 @@ pub fn route_request(
         prompt_body,
     };
     let responses = matches!(req.prompt, canon::Prompt::Responses { .. });
-    let binary = blocks > cfg.binary_above_blocks;
-    let route_body = if binary {
-        route.encode_binary()
-    } else {
-        serde_json::to_vec(&route).map_err(|_| Skip::BadAnswer)?
-    };
-    Ok(Prepared {
-        model: route.model,
-        blocks,
-        prompt_tokens,
-        route_body,
-        binary,
-        responses,
-    })
+    Ok((route, responses))
 }
 
 /// A usable answer from the sidecar.
@@ -261,7 +276,32 @@ pub fn report(
     duration_ms: f64,
     response_id: Option<String>,
 ) -> Vec<u8> {
-    let r = CompletionReport {
+    let r = completion_report(
+        decision,
+        request_id,
+        model,
+        pod,
+        status,
+        usage,
+        duration_ms,
+        response_id,
+    );
+    serde_json::to_vec(&r).unwrap_or_default()
+}
+
+/// The completion report itself (the sidecar's picker hands it over in process).
+#[allow(clippy::too_many_arguments)]
+pub fn completion_report(
+    decision: &str,
+    request_id: &str,
+    model: &str,
+    pod: &str,
+    status: u16,
+    usage: Option<Usage>,
+    duration_ms: f64,
+    response_id: Option<String>,
+) -> CompletionReport {
+    CompletionReport {
         decision: decision.to_owned(),
         request_id: request_id.to_owned(),
         pod: pod.to_owned(),
@@ -272,8 +312,7 @@ pub fn report(
         completion_tokens: usage.and_then(|u| u.completion()),
         duration_ms,
         response_id,
-    };
-    serde_json::to_vec(&r).unwrap_or_default()
+    }
 }
 
 /// Completion reports waiting to leave in one callout, encoded as the JSON array the

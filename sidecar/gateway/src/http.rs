@@ -641,16 +641,11 @@ pub fn health_router(api: Api) -> Router {
 }
 
 async fn ready_h(State(api): State<Api>) -> Response {
-    let nats_wanted = api
-        .sc
-        .nats_configured
-        .load(std::sync::atomic::Ordering::Relaxed);
-    let nats_up = api.sc.metrics.nats_connected.get() == 1;
-    if nats_wanted && !nats_up {
+    if let Err(why) = api.sc.ready() {
         // Still serving (from HTTP ingestion and predicted mode), but say so.
         return (
             StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({"ready": false, "degraded": "nats disconnected"})),
+            Json(json!({"ready": false, "degraded": why})),
         )
             .into_response();
     }

@@ -12,6 +12,8 @@
 //!   `text_tokens`: the tokens a text chain's bytes stand for, learned from reports;
 //! - `tokenize`: the model's chat template and tokenizer, for precise routing;
 //! - `state`, `http`, `nats`, `cleaner`, `serve`: the service around them;
+//! - `picker`: the Gateway API Inference Extension's endpoint picker (Envoy ext_proc),
+//!   a second front door over the same route;
 //! - `hashcli`: the operator's chain printer.
 //!
 //! Only what the binary, the benchmarks, the simulator and the tests need is exported,
@@ -29,6 +31,7 @@ mod ingest;
 mod ledger;
 mod metrics;
 mod nats;
+mod picker;
 /// The policy's pure functions, public for the simulator's baselines.
 pub mod policy;
 mod predicted;
@@ -49,8 +52,8 @@ pub use ingest::{
 pub use ledger::{clock_origin, Ledger};
 pub use registry::{Pod, Registry, Rules};
 pub use route::{
-    precise::precise, report, report_at, route, route_until, route_with, PolicySelector,
-    RouteError, Selector,
+    precise::precise, report, report_at, route, route_until, route_with, route_within,
+    PolicySelector, RouteError, Selector,
 };
 pub use serve::{load_tokenizers, run as serve, wait_for_signal, ServeArgs};
 pub use state::{Channels, Sidecar};

@@ -128,6 +128,9 @@ pub struct Metrics {
     /// API requests refused before any handler ran, by reason ("unauthorized",
     /// "foreign_origin", "foreign_host", "content_type").
     pub api_refused: Labeled,
+    /// Requests seen by the endpoint picker, by outcome ("routed", or why not:
+    /// `picker::Outcome`, and "stream_error" for a stream that broke).
+    pub picker: Labeled,
     /// Reports judged against the index, by model, chat template and outcome (`agreement`).
     cache_agreement: Family<Label, Counter>,
 }
@@ -179,6 +182,7 @@ impl Default for Metrics {
             cache_agreement: Family::default(),
             precise: Labeled::new("outcome"),
             api_refused: Labeled::new("reason"),
+            picker: Labeled::new("outcome"),
             state: StateGauges {
                 pods: Family::default(),
                 index_entries: Family::default(),
@@ -251,6 +255,11 @@ impl Default for Metrics {
                 "kvroute_api_refused",
                 "API requests refused before reaching a handler (token, origin, host, content type).",
                 &m.api_refused,
+            ),
+            (
+                "kvroute_picker_requests",
+                "Requests seen by the endpoint picker (ext_proc), by outcome: routed, or why they went on unsteered.",
+                &m.picker,
             ),
             (
                 "kvroute_replica_deltas",

@@ -115,6 +115,19 @@ pub struct ServeArgs {
     /// replaces its own blocks. Shown in `/v1/status` (`memory`).
     #[arg(long, env = "KVROUTE_MAX_INDEX_MB", default_value_t = 384)]
     pub max_index_mb: u64,
+    /// The endpoint picker's gRPC listener (Envoy ext_proc, the Gateway API Inference
+    /// Extension's protocol, with gRPC health). Off unless set.
+    #[arg(long, env = "KVROUTE_PICKER_LISTEN")]
+    pub picker_listen: Option<SocketAddr>,
+    /// The picker's request settings: a JSON file with the filter's configuration keys
+    /// (paths, session and tenant headers, per-model route_text / sidecar_tokenizes,
+    /// adapters, max_body_bytes). Block sizes come from the policy (`--config`).
+    #[arg(long, env = "KVROUTE_PICKER_CONFIG")]
+    pub picker_config: Option<PathBuf>,
+    /// A picker decision later than this after the request body is whole is not
+    /// committed; set the data plane's ext_proc message timeout a little above it.
+    #[arg(long, env = "KVROUTE_PICKER_DEADLINE_MS", default_value_t = 90)]
+    pub picker_deadline_ms: u64,
     /// Route calls over 64 KiB (chats for the sidecar to tokenize) decoded and routed at
     /// once; more wait, up to their deadline. Default: one fewer than the cores.
     #[arg(long, env = "KVROUTE_LARGE_ROUTES")]
@@ -295,7 +308,38 @@ async fn listeners(a: &ServeArgs, api: Api, guard: &DropGuard) -> anyhow::Result
     }
     if let Some(path) = &a.uds {
         let uds = bind_uds(path, &a.uds_mode)?;
-        spawn_server(&mut servers, uds, http::router(local), guard.subscribe());
+        spawn_server(
+            &mut servers,
+            uds,
+            http::router(local.clone()),
+            guard.subscribe(),
+        );
+    }
+    if let Some(addr) = a.picker_listen {
+        let cfg = match &a.picker_config {
+            Some(p) => {
+                let bytes = std::fs::read(p).with_context(|| format!("reading {}", p.display()))?;
+                kvroute_filter::config::FilterConfig::parse(Some(&bytes)).map_err(|errs| {
+                    anyhow::anyhow!("picker config {}:\n  {}", p.display(), errs.join("\n  "))
+                })?
+            }
+            None => kvroute_filter::config::FilterConfig::default(),
+        };
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding {addr}"))?;
+        let bound = listener.local_addr()?;
+        let settings = crate::picker::PickerSettings {
+            cfg,
+            deadline: std::time::Duration::from_millis(a.picker_deadline_ms.max(1)),
+        };
+        servers.spawn(crate::picker::serve(
+            local.sc.clone(),
+            settings,
+            listener,
+            guard.subscribe(),
+        ));
+        eprintln!("kvroute-sidecar: picker listening on {bound}");
     }
     // Tests and scripts read this line to learn the bound port.
     eprintln!("kvroute-sidecar: listening on {bound}");

@@ -143,6 +143,19 @@ impl Sidecar {
         self.config.read().clone()
     }
 
+    /// Whether the sidecar routes from everything it was told to follow: `Err` names
+    /// what is missing (it still routes, from HTTP ingestion and prediction). `/readyz`
+    /// and the picker's gRPC readiness both answer this.
+    pub fn ready(&self) -> Result<(), &'static str> {
+        let nats_wanted = self
+            .nats_configured
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if nats_wanted && self.metrics.nats_connected.get() != 1 {
+            return Err("nats disconnected");
+        }
+        Ok(())
+    }
+
     /// Replace the whole policy atomically. A config that carries a version must carry
     /// the current one; the new one gets the next version.
     pub fn set_config(

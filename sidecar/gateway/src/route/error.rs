@@ -20,6 +20,8 @@ pub enum RouteError {
         model: String,
         adapter: String,
     },
+    /// The data plane named the pods to choose from and none of them can serve.
+    OutsideSubset,
     /// The caller's deadline passed before the decision could be answered: nothing
     /// was committed (the filter has failed open by then and would never report it).
     DeadlinePassed,
@@ -31,6 +33,7 @@ impl RouteError {
             RouteError::EmptyModel | RouteError::ChainTooLong(_) => "bad_request",
             RouteError::BlockSizeMismatch { .. } => "block_size_mismatch",
             RouteError::NoPod { .. } => "no_pod",
+            RouteError::OutsideSubset => "outside_subset",
             RouteError::DeadlinePassed => "deadline",
         }
     }
@@ -39,7 +42,7 @@ impl RouteError {
     /// answer would come too late (504).
     pub fn status(&self) -> u16 {
         match self {
-            RouteError::NoPod { .. } => 503,
+            RouteError::NoPod { .. } | RouteError::OutsideSubset => 503,
             RouteError::DeadlinePassed => 504,
             _ => 400,
         }
@@ -61,6 +64,9 @@ impl std::fmt::Display for RouteError {
                 "block_size {given} does not match the {} block size {want} configured for model {model:?}: gateway and engines must agree",
                 mode.as_str()
             ),
+            RouteError::OutsideSubset => {
+                f.write_str("no pod of the data plane's subset hint can serve the request")
+            }
             RouteError::DeadlinePassed => {
                 f.write_str("the caller's deadline passed before a decision; none was committed")
             }

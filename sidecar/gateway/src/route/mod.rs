@@ -75,11 +75,22 @@ pub fn route_until(
     req: &RouteRequest,
     deadline: Option<SystemTime>,
 ) -> Result<RouteResponse, RouteError> {
+    route_within(sc, req, deadline, None)
+}
+
+/// [`route_until`] choosing only among the pods named in `subset` (the data plane's
+/// subset hint, `ip:port` each): none of them eligible is [`RouteError::OutsideSubset`].
+pub fn route_within(
+    sc: &Sidecar,
+    req: &RouteRequest,
+    deadline: Option<SystemTime>,
+    subset: Option<&[String]>,
+) -> Result<RouteResponse, RouteError> {
     let t0 = Instant::now();
     let r = past(deadline).and_then(|()| {
         let tokenized = precise::precise(sc, req);
         let req = tokenized.as_ref().unwrap_or(req);
-        let r = route_inner(sc, req, t0, &mut PolicySelector, deadline);
+        let r = route_inner(sc, req, t0, &mut PolicySelector, deadline, subset);
         // The decision is recorded as routed: in token mode once the sidecar tokenized.
         if let Ok(resp) = &r {
             if !req.dry_run {
@@ -139,6 +150,8 @@ struct Route<'a> {
     facts: Facts,
     ask: Ask,
     now: Instant,
+    /// The only pods this route may choose (the data plane's subset hint).
+    subset: Option<&'a [String]>,
 }
 
 /// `Err` once `deadline` has passed.
@@ -156,7 +169,7 @@ pub fn route_with(
     now: Instant,
     sel: &mut dyn Selector,
 ) -> Result<RouteResponse, RouteError> {
-    route_inner(sc, req, now, sel, None)
+    route_inner(sc, req, now, sel, None, None)
 }
 
 fn route_inner(
@@ -165,10 +178,12 @@ fn route_inner(
     now: Instant,
     sel: &mut dyn Selector,
     deadline: Option<SystemTime>,
+    subset: Option<&[String]>,
 ) -> Result<RouteResponse, RouteError> {
     let cfg = sc.config();
     validate(&cfg, req)?;
-    let r = Route::new(sc, req, &cfg, lookup(sc, req, now), now);
+    let mut r = Route::new(sc, req, &cfg, lookup(sc, req, now), now);
+    r.subset = subset;
     let pods = sc.registry().view();
     let disaggregated = req.role.is_none() && pods.disaggregated(&req.model);
     let main_role = if disaggregated {
@@ -178,7 +193,10 @@ fn route_inner(
     };
     let mut cands = r.candidates(&pods, main_role);
     if cands.is_empty() {
-        return Err(r.no_pod());
+        return Err(match subset {
+            Some(_) => RouteError::OutsideSubset,
+            None => r.no_pod(),
+        });
     }
     tier_hints(&r.facts, req, &mut cands);
     let main_ask = Ask {
@@ -345,6 +363,7 @@ impl<'a> Route<'a> {
             facts,
             ask,
             now,
+            subset: None,
         }
     }
 
@@ -392,6 +411,7 @@ impl<'a> Route<'a> {
                 };
                 policy::admissible(&f, &req.adapter, want)
             })
+            .filter(|p| self.subset.is_none_or(|s| s.iter().any(|x| **x == *p.id)))
             // Alive in the index (a pod in phase 1 of removal is already out).
             .filter(|p| {
                 facts
