@@ -177,6 +177,18 @@ impl SidecarProc {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// The endpoint picker's address (started with `--picker-listen`).
+    pub fn picker_addr(&self) -> Option<SocketAddr> {
+        wait_until(Duration::from_secs(10), || {
+            self.log().lines().find_map(|l| {
+                l.strip_prefix("kvroute-sidecar: picker listening on ")?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+        })
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.pid()
     }

@@ -1,6 +1,6 @@
 //! The shipped envoy/envoy.yaml is the renderer's output and Envoy accepts it.
 
-use kvroute_tests::envoy::{envoy_bin, EnvoyLayout};
+use kvroute_tests::envoy::{envoy_bin, EnvoyLayout, PickerLayout};
 
 fn shipped_path() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../envoy/envoy.yaml")
@@ -34,6 +34,27 @@ fn envoy_validates_shipped_config() {
     assert!(
         out.status.success(),
         "envoy rejected the config: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn shipped_picker_config_is_current_and_envoy_accepts_it() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../envoy/envoy-picker.yaml");
+    let shipped = std::fs::read_to_string(&path).expect("envoy/envoy-picker.yaml");
+    assert_eq!(
+        shipped,
+        PickerLayout::shipped().render(),
+        "envoy/envoy-picker.yaml is stale: regenerate with `cargo run -p kvroute-tests --bin kvroute-stack -- render-envoy --picker > envoy/envoy-picker.yaml`"
+    );
+    let out = std::process::Command::new(envoy_bin())
+        .args(["--mode", "validate", "-c"])
+        .arg(&path)
+        .output()
+        .expect("run envoy --mode validate");
+    assert!(
+        out.status.success(),
+        "envoy rejected the picker config: {}",
         String::from_utf8_lossy(&out.stderr)
     );
 }

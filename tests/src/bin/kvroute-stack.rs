@@ -12,7 +12,8 @@
 //! - `runs`: the steady state — engines' caches filled first, then the same chat load
 //!   run after run with fresh prefixes through kvroute, round-robin Envoy or a peer router
 //!   (SGLang's `smg`, vLLM's router) over the same engines; one JSON line per run.
-//! - `render-envoy`: print the shipped Envoy configuration (envoy/envoy.yaml).
+//! - `render-envoy`: print the shipped Envoy configuration (envoy/envoy.yaml; with
+//!   `--picker`, envoy/envoy-picker.yaml).
 
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -33,7 +34,11 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Print the shipped Envoy configuration (what envoy/envoy.yaml holds).
-    RenderEnvoy,
+    RenderEnvoy {
+        /// The endpoint-picker configuration instead (envoy/envoy-picker.yaml).
+        #[arg(long)]
+        picker: bool,
+    },
     /// kvroute vs round-robin on the same engines and workload.
     Demo {
         #[arg(long, default_value = "target/kvroute-demo-ttft.svg")]
@@ -88,8 +93,12 @@ fn engine_args() -> Vec<String> {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    if let Cmd::RenderEnvoy = cli.cmd {
-        print!("{}", kvroute_tests::envoy::EnvoyLayout::shipped().render());
+    if let Cmd::RenderEnvoy { picker } = cli.cmd {
+        if picker {
+            print!("{}", kvroute_tests::envoy::PickerLayout::shipped().render());
+        } else {
+            print!("{}", kvroute_tests::envoy::EnvoyLayout::shipped().render());
+        }
         return Ok(());
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -127,7 +136,7 @@ fn main() -> anyhow::Result<()> {
                 steady_runs(&gateway, runs, load, capacity_blocks, concurrency, !cold).await
             }
             Cmd::Up { vllm_events } => up(vllm_events).await,
-            Cmd::RenderEnvoy => Ok(()),
+            Cmd::RenderEnvoy { .. } => Ok(()),
         }
     })
 }

@@ -35,6 +35,8 @@ use crate::route::RouteError;
 /// Endpoints after the chosen one in the destination list (the data plane's retries go
 /// down it in order).
 pub const FALLBACKS: usize = 2;
+/// Bytes of a held body handed back to Envoy per message (full-duplex mode).
+pub const ECHO_CHUNK: usize = 1 << 20;
 
 /// How the data plane sends a body, as its first message says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -457,8 +459,20 @@ impl Exchange {
                 out.extend((0..self.held).map(|_| wire::body(Dir::Request, None)));
             }
             BodyMode::FullDuplex => {
+                // In pieces: Envoy takes server messages of 4 MiB at most by default.
                 let body = std::mem::take(&mut self.body);
-                out.push(wire::streamed(Dir::Request, body, end_of_stream));
+                let n = body.len().div_ceil(ECHO_CHUNK).max(1);
+                for (i, piece) in body.chunks(ECHO_CHUNK).enumerate() {
+                    let last = i + 1 == n;
+                    out.push(wire::streamed(
+                        Dir::Request,
+                        piece.to_vec(),
+                        last && end_of_stream,
+                    ));
+                }
+                if body.is_empty() {
+                    out.push(wire::streamed(Dir::Request, Vec::new(), end_of_stream));
+                }
             }
             _ => {}
         }

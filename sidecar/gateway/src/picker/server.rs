@@ -25,8 +25,11 @@ use crate::state::Sidecar;
 
 /// The ext_proc service's name, as health checks ask for it.
 pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
-/// Slack above the largest body the picker reads, for the message's own framing.
-const FRAME_SLACK: usize = 64 << 10;
+/// The largest message the picker decodes: Envoy hands over a body in chunks as large as
+/// its buffer lets them grow (the shipped configurations allow 32 MiB), and a message
+/// refused here ends the stream (the request fails open), so the cap is Envoy's buffer
+/// plus framing; the picker still reads no more than `max_body_bytes` of a body.
+const MAX_MESSAGE: usize = (32 << 20) + (64 << 10);
 /// Chains longer than this are routed on the blocking pool (as the HTTP API does with
 /// route calls over 64 KiB).
 const HEAVY_CHAIN: usize = 8 << 10;
@@ -152,7 +155,7 @@ pub async fn serve(
             ..*s
         }
     });
-    let max_message = settings.cfg.max_body_bytes.saturating_add(FRAME_SLACK);
+    let max_message = MAX_MESSAGE.max(settings.cfg.max_body_bytes.saturating_add(64 << 10));
     let picker = Picker {
         sc: sc.clone(),
         cfg: Arc::new(settings.cfg),

@@ -336,8 +336,10 @@ fn unrouted_paths_bodiless_requests_and_bad_bodies_go_on_unsteered() {
 
 #[test]
 fn a_body_over_the_cap_stops_being_read_and_flows_through() {
-    let mut c = FilterConfig::default();
-    c.max_body_bytes = 16;
+    let c = FilterConfig {
+        max_body_bytes: 16,
+        ..Default::default()
+    };
     let mut ex = Exchange::new(Arc::new(c), Arc::new(|_, s| *s));
     ex.on_message(first(BodySendMode::FullDuplexStreamed, false, post(), None));
     assert!(replies(ex.on_message(chunk(&[b'x'; 10], false))).is_empty());
