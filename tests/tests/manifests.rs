@@ -229,3 +229,72 @@ fn vllm_bridge_manifest() {
         );
     }
 }
+
+/// kvroute as a GIE endpoint picker: the Deployment runs the picker on GIE's port with
+/// gRPC probes, its configuration is one the picker accepts, the InferencePool points at
+/// it failing open, and the Envoy Gateway policy fails open with buffered requests.
+#[test]
+fn endpoint_picker_manifests() {
+    let ds = docs("envoy/gie/kvroute-picker.yaml");
+    let kinds: Vec<&str> = ds.iter().filter_map(|d| d["kind"].as_str()).collect();
+    assert_eq!(
+        kinds,
+        ["ConfigMap", "Deployment", "Service", "NetworkPolicy"]
+    );
+    let picker_json = ds[0]["data"]["picker.json"].as_str().expect("picker.json");
+    kvroute_filter::config::FilterConfig::parse(Some(picker_json.as_bytes()))
+        .expect("the picker accepts its configuration");
+    let args: Vec<&str> = all(&ds, "args")[0]
+        .as_sequence()
+        .expect("args")
+        .iter()
+        .filter_map(|a| a.as_str())
+        .collect();
+    assert!(args.contains(&"--picker-listen=0.0.0.0:9002"));
+    assert!(args.contains(&"--picker-config=/etc/kvroute/picker.json"));
+    assert!(args.iter().any(|a| a.starts_with("--listen=127.0.0.1")));
+    for (probe, service) in [
+        ("livenessProbe", "liveness"),
+        ("readinessProbe", "readiness"),
+    ] {
+        let p = all(&ds, probe)[0];
+        assert_eq!(p["grpc"]["port"].as_u64(), Some(9002), "{probe}");
+        assert_eq!(p["grpc"]["service"].as_str(), Some(service), "{probe}");
+    }
+    assert_eq!(all(&ds, "appProtocol")[0].as_str(), Some("http2"));
+
+    let pool = docs("envoy/gie/inferencepool.yaml");
+    assert_eq!(pool[0]["apiVersion"], "inference.networking.k8s.io/v1");
+    assert_eq!(pool[0]["kind"], "InferencePool");
+    let epp = &pool[0]["spec"]["endpointPickerRef"];
+    assert_eq!(epp["name"], "kvroute-picker");
+    assert_eq!(epp["port"]["number"].as_u64(), Some(9002));
+    assert_eq!(epp["failureMode"], "FailOpen");
+    assert_eq!(
+        all(&pool, "kind")
+            .iter()
+            .filter(|k| k.as_str() == Some("InferencePool"))
+            .count(),
+        2
+    );
+
+    let istio = docs("envoy/gie/istio-gateway.yaml");
+    assert_eq!(istio[0]["spec"]["gatewayClassName"], "istio");
+
+    let eg = docs("envoy/gie/envoy-gateway.yaml");
+    let kinds: Vec<&str> = eg.iter().filter_map(|d| d["kind"].as_str()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "Gateway",
+            "EnvoyExtensionPolicy",
+            "BackendTrafficPolicy",
+            "HTTPRoute"
+        ]
+    );
+    let ext = &eg[1]["spec"]["extProc"][0];
+    assert_eq!(ext["failOpen"].as_bool(), Some(true));
+    assert_eq!(ext["processingMode"]["request"]["body"], "Buffered");
+    assert_eq!(ext["backendRefs"][0]["port"].as_u64(), Some(9002));
+    assert!(!all(&eg, "endpointOverride").is_empty());
+}

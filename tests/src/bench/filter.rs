@@ -1,7 +1,8 @@
 //! `kvroute-bench filter`: what the filter and the sidecar add to a request, measured in
 //! one run against the same upstream — plain Envoy vs Envoy + filter + sidecar (Unix
-//! socket) — for a 4 KB and a 256 KB prompt, requests alternating between the two so
-//! drift hits both alike; and the filter's own time inside v8 (parse + canonicalize +
+//! socket), and vs Envoy + the sidecar's endpoint picker (ext_proc over gRPC, buffered
+//! and full-duplex) — for a 4 KB and a 256 KB prompt, requests alternating between them
+//! so drift hits all alike; and the filter's own time inside v8 (parse + canonicalize +
 //! chain) for a 128k-token prompt, read from its debug header.
 //!
 //! Partial set-ups in the same run split the added time: the filter loaded but not
@@ -16,7 +17,7 @@ use serde_json::json;
 
 use super::Samples;
 use crate::client::Api;
-use crate::envoy::{Envoy, EnvoyLayout, Fallback, SidecarAddr};
+use crate::envoy::{Envoy, EnvoyLayout, Fallback, PickerLayout, SidecarAddr};
 use crate::services::SidecarProc;
 use crate::stub::StubPod;
 
@@ -29,7 +30,10 @@ pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
     anyhow::ensure!(wasm.exists(), "build the filter first: make wasm");
     let wasm_bytes = std::fs::metadata(&wasm)?.len();
     let pod = StubPod::start("a").await?;
-    let sc = SidecarProc::start(&[], true)?;
+    let sc = SidecarProc::start(&["--picker-listen", "127.0.0.1:0"], true)?;
+    let picker = sc
+        .picker_addr()
+        .ok_or_else(|| anyhow::anyhow!("the sidecar's picker did not start"))?;
     let api = Api::new(sc.addr);
     api.register(&pod.addr.to_string(), "m").await;
     let base = json!({"timeout_ms": 100, "default_model": {"block_size": 16}, "debug_headers": true,
@@ -76,6 +80,38 @@ pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
         let e = tokio::task::spawn_blocking(move || Envoy::start(&layout)).await??;
         envoys.push((*name, e));
     }
+    // The other front door, the endpoint picker (ext_proc), as shipped (buffered requests,
+    // streamed responses) and in GIE's full-duplex mode; the wasm path stays last.
+    let wasm_kv = envoys.pop();
+    for (name, req_mode, resp_mode) in [
+        ("picker", "BUFFERED", "STREAMED"),
+        (
+            "picker-full-duplex",
+            "FULL_DUPLEX_STREAMED",
+            "FULL_DUPLEX_STREAMED",
+        ),
+    ] {
+        let layout = PickerLayout {
+            listen_port: 0,
+            pickers: vec![picker],
+            engines: vec![pod.addr],
+            request_body_mode: req_mode,
+            response_body_mode: resp_mode,
+            subset: None,
+            message_timeout_ms: 200,
+            access_log: false,
+        };
+        let e = tokio::task::spawn_blocking(move || Envoy::start_picker(&layout)).await??;
+        envoys.push((name, e));
+    }
+    envoys.extend(wasm_kv);
+    // Set-ups whose requests reach the sidecar (its CPU is shared among them).
+    let via_sidecar = envoys
+        .iter()
+        .filter(|(n, _)| {
+            matches!(*n, "null-callout" | "no-report" | "kvroute") || n.starts_with("picker")
+        })
+        .count();
     let kv = &envoys[envoys.len() - 1].1;
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(4)
@@ -130,9 +166,9 @@ pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
             })
             .collect();
         println!(
-            "  {label:>4} prompt: Envoy CPU per request (us): {}; sidecar CPU per callout {:.0} us (route + report)",
+            "  {label:>4} prompt: Envoy CPU per request (us): {}; sidecar CPU per request {:.0} us (route + report, wasm and picker alike)",
             cpu.join(", "),
-            cpu_ns(sc.pid()).saturating_sub(sc0) as f64 / 1e3 / (n + 20) as f64 / 3.0
+            cpu_ns(sc.pid()).saturating_sub(sc0) as f64 / 1e3 / (n + 20) as f64 / via_sidecar as f64
         );
         let p50s: Vec<u64> = samples.iter_mut().map(|s| s.pct(50.0)).collect();
         for ((name, _), p) in envoys.iter().zip(&p50s).skip(1) {
@@ -151,6 +187,31 @@ pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
             callout.pct(50.0)
         );
         out[format!("callout_p50_us_{label}")] = json!(callout.pct(50.0));
+        // The two front doors side by side: what each adds over plain Envoy.
+        let (plain50, plain99) = (samples[0].pct(50.0), samples[0].pct(99.0));
+        for (k, (name, _)) in envoys.iter().enumerate() {
+            if !(name.starts_with("picker") || *name == "kvroute") {
+                continue;
+            }
+            let (p50, p99) = (samples[k].pct(50.0), samples[k].pct(99.0));
+            let key = if *name == "kvroute" {
+                "wasm"
+            } else {
+                &name.replace('-', "_")
+            };
+            println!(
+                "  {label:>4} prompt: {:<20} added p50 {:>5.0} us, p99 {:>6.0} us",
+                if *name == "kvroute" {
+                    "wasm filter"
+                } else {
+                    name
+                },
+                p50.saturating_sub(plain50) as f64 / 1e3,
+                p99.saturating_sub(plain99) as f64 / 1e3,
+            );
+            out[format!("front_{key}_added_p99_us_{label}")] =
+                json!(p99.saturating_sub(plain99) as f64 / 1e3);
+        }
         let last = samples.len() - 1;
         let (a, b) = samples.split_at_mut(last);
         let (a, b) = (&mut a[0], &mut b[0]);
