@@ -56,6 +56,9 @@ pub struct FilterConfig {
     pub steer_header: String,
     /// Header carrying the prefill pod of a disaggregated model.
     pub prefill_header: String,
+    /// Header telling the engine which data-parallel rank runs the request, when the
+    /// chosen pod is one rank (`ip:port@rank`): vLLM's `X-data-parallel-rank`.
+    pub rank_header: String,
     /// A header tried first for the session key (empty: none).
     pub session_header: String,
     /// Headers whose first present value is the session key, after `session_header`;
@@ -104,6 +107,7 @@ impl Default for FilterConfig {
             max_body_bytes: 8 << 20,
             steer_header: "x-gateway-destination-endpoint".into(),
             prefill_header: "x-kvroute-prefill-endpoint".into(),
+            rank_header: "x-data-parallel-rank".into(),
             session_header: String::new(),
             session_headers: DEFAULT_SESSION_HEADERS.map(String::from).to_vec(),
             tenant_header: String::new(),
@@ -183,6 +187,7 @@ impl FilterConfig {
         for (name, h) in [
             ("steer_header", &self.steer_header),
             ("prefill_header", &self.prefill_header),
+            ("rank_header", &self.rank_header),
         ] {
             if !valid_header_name(h) {
                 errs.push(format!(

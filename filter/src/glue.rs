@@ -298,8 +298,17 @@ impl Context for Http {
                 let set = hostcalls::set_map_value(
                     MapType::HttpRequestHeaders,
                     &sh.cfg.steer_header,
-                    Some(&steer.pod),
-                );
+                    Some(&steer.address),
+                )
+                .and_then(|()| {
+                    // One data-parallel rank of the engine: the engine is told which.
+                    let rank = steer.rank.map(|r| r.to_string());
+                    hostcalls::set_map_value(
+                        MapType::HttpRequestHeaders,
+                        &sh.cfg.rank_header,
+                        rank.as_deref(),
+                    )
+                });
                 let set_prefill = match &steer.prefill_pod {
                     Some(p) => hostcalls::set_map_value(
                         MapType::HttpRequestHeaders,
@@ -543,8 +552,12 @@ impl HttpContext for Http {
             .ok()
             .flatten()
             .map(|b| String::from_utf8_lossy(&b).into_owned());
-        let Some(pod) = upstream.or_else(|| steered.as_ref().map(|s| s.pod.clone())) else {
-            return;
+        // A rank served where it was sent is that rank's pod.
+        let pod = match (upstream, steered.as_ref()) {
+            (Some(u), Some(s)) if u == s.address => s.pod.clone(),
+            (Some(u), _) => u,
+            (None, Some(s)) => s.pod.clone(),
+            (None, None) => return,
         };
         let duration_ms = match (start, now()) {
             (Some(a), Some(b)) => b

@@ -225,7 +225,12 @@ pub fn build_route(
 /// A usable answer from the sidecar.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Steer {
+    /// The pod id the sidecar chose (reports name it): `ip:port`, or `ip:port@rank`.
     pub pod: String,
+    /// What the data plane steers to: the pod id's `ip:port`.
+    pub address: String,
+    /// The engine's data-parallel rank to run on, for a pod that is one rank.
+    pub rank: Option<u16>,
     pub prefill_pod: Option<String>,
     pub matched_blocks: u32,
     /// The sidecar's decision id, echoed in the completion report.
@@ -233,6 +238,7 @@ pub struct Steer {
 }
 
 pub use kvroute_shared::protocol::valid_endpoint;
+use kvroute_shared::protocol::{parse_pod, split_rank, valid_steer};
 
 /// Judge the callout's answer (`status` from the `:status` pseudo-header).
 pub fn interpret(status: Option<&str>, body: Option<&[u8]>) -> Result<Steer, Skip> {
@@ -245,9 +251,11 @@ pub fn interpret(status: Option<&str>, body: Option<&[u8]>) -> Result<Steer, Ski
     }
     let body = body.ok_or(Skip::BadAnswer)?;
     let resp: RouteResponse = serde_json::from_slice(body).map_err(|_| Skip::BadAnswer)?;
-    if !valid_endpoint(&resp.pod) {
+    if !valid_steer(&resp.pod) {
         return Err(Skip::BadAnswer);
     }
+    let address = split_rank(&resp.pod).0.to_owned();
+    let rank = parse_pod(&resp.pod).and_then(|(_, r)| r);
     let prefill_pod = resp.prefill_pod.filter(|p| valid_endpoint(p));
     let matched_blocks = resp
         .ranked
@@ -256,6 +264,8 @@ pub fn interpret(status: Option<&str>, body: Option<&[u8]>) -> Result<Steer, Ski
         .map_or(0, |r| r.matched_blocks);
     Ok(Steer {
         pod: resp.pod,
+        address,
+        rank,
         prefill_pod,
         matched_blocks,
         decision: resp.decision.unwrap_or_default(),
@@ -464,6 +474,8 @@ mod tests {
             interpret(Some("200"), Some(ok)),
             Ok(Steer {
                 pod: "127.0.0.1:8001".into(),
+                address: "127.0.0.1:8001".into(),
+                rank: None,
                 prefill_pod: None,
                 matched_blocks: 3,
                 decision: "ab-7".into(),
@@ -477,6 +489,26 @@ mod tests {
         assert_eq!(interpret(Some("200"), Some(b"[]")), Err(Skip::BadAnswer));
         let inject = br#"{"pod":"1.2.3.4:80\r\nx-evil: 1","ranked":[]}"#;
         assert_eq!(interpret(Some("200"), Some(inject)), Err(Skip::BadAnswer));
+        // One data-parallel rank: steered to its address, the rank told apart.
+        let ranked = br#"{"pod":"10.0.0.1:8000@3","decision":"d","ranked":[],"policy_version":1}"#;
+        let s = interpret(Some("200"), Some(ranked)).expect("a rank is a pod");
+        assert_eq!(
+            (s.address.as_str(), s.rank, s.pod.as_str()),
+            ("10.0.0.1:8000", Some(3), "10.0.0.1:8000@3")
+        );
+        for bad in [
+            "10.0.0.1:8000@",
+            "10.0.0.1:8000@03",
+            "10.0.0.1:8000@99999",
+            "10.0.0.1:8000@x\r\n",
+        ] {
+            let b = format!(r#"{{"pod":"{bad}","ranked":[]}}"#);
+            assert_eq!(
+                interpret(Some("200"), Some(b.as_bytes())),
+                Err(Skip::BadAnswer),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

@@ -167,6 +167,12 @@ async fn complete(State(st): State<PodState>, headers: HeaderMap, body: Bytes) -
         .and_then(|h| h.to_str().ok())
         .unwrap_or("")
         .to_string();
+    // The data-parallel rank the router told the engine to run the request on.
+    let rank = headers
+        .get("x-data-parallel-rank")
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("")
+        .to_string();
     let usage = serde_json::json!({"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15,
                                    "prompt_tokens_details": {"cached_tokens": 7}});
     if v["stream"].as_bool() == Some(true) {
@@ -191,13 +197,18 @@ async fn complete(State(st): State<PodState>, headers: HeaderMap, body: Bytes) -
             .header("content-type", "text/event-stream")
             .header("x-pod", st.name)
             .header("x-seen-steer", steered)
+            .header("x-seen-rank", rank)
             .body(Body::from_stream(stream))
             .unwrap_or_default();
     }
     let resp = serde_json::json!({"id": "cmpl", "object": "text_completion",
                                   "choices": [{"text": "ok", "index": 0}], "usage": usage});
     (
-        [("x-pod", st.name), ("x-seen-steer", steered)],
+        [
+            ("x-pod", st.name),
+            ("x-seen-steer", steered),
+            ("x-seen-rank", rank),
+        ],
         axum::Json(resp),
     )
         .into_response()

@@ -120,6 +120,7 @@ pub async fn envoy(layout: PickerLayout) -> Envoy {
 }
 
 pub struct Answer {
+    pub rank: String,
     pub status: u16,
     pub pod: String,
     pub seen_steer: String,
@@ -146,12 +147,13 @@ pub async fn send(envoy: &Envoy, path: &str, body: String) -> Answer {
             .unwrap_or("")
             .to_owned()
     };
-    let (pod, seen_steer) = (h("x-pod"), h("x-seen-steer"));
+    let (pod, seen_steer, rank) = (h("x-pod"), h("x-seen-steer"), h("x-seen-rank"));
     let served_header = r
         .headers()
         .contains_key("x-gateway-destination-endpoint-served");
     let status = r.status().as_u16();
     Answer {
+        rank,
         status,
         pod,
         seen_steer,
@@ -440,4 +442,100 @@ async fn health(picker: SocketAddr) {
             .into_inner();
         assert_eq!(r.status, ServingStatus::Serving as i32, "{service}");
     }
+}
+
+/// Four data-parallel ranks behind one engine address are four pods: the rank holding the
+/// prompt is chosen, the data plane steers to the address (once in the list), and the
+/// engine is told the rank, through the picker and through the wasm filter alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_parallel_ranks_are_pods_and_the_engine_is_told_which() {
+    let engine = StubPod::start("dp").await.expect("stub pod");
+    let other = StubPod::start("other").await.expect("stub pod");
+    let sc = tokio::task::spawn_blocking(|| {
+        SidecarProc::start(&["--picker-listen", "127.0.0.1:0"], true)
+    })
+    .await
+    .expect("join")
+    .expect("sidecar");
+    let api = Api::new(sc.addr);
+    let ranks: Vec<String> = (0..4).map(|r| format!("{}@{r}", engine.addr)).collect();
+    for p in ranks.iter().chain([&other.addr.to_string()]) {
+        let r = api.register(p, MODEL).await;
+        assert!(r.status < 300, "register {p}: {}", r.json);
+    }
+    let chain = token_chain(MODEL, 16, &tokens());
+    let r = api
+        .events(&batch(&ranks[2], MODEL, "e1", 0, vec![stored(&chain)]))
+        .await;
+    assert!(r.status < 300, "events: {}", r.json);
+    api.until_confirmed(MODEL, &chain, chain.len() as u64).await;
+
+    let picker = envoy(PickerLayout {
+        listen_port: 0,
+        pickers: vec![sc.picker_addr().expect("picker")],
+        engines: vec![engine.addr, other.addr],
+        request_body_mode: "BUFFERED",
+        response_body_mode: "STREAMED",
+        subset: None,
+        message_timeout_ms: 2000,
+        access_log: false,
+    })
+    .await;
+    let wasm = {
+        let layout = kvroute_tests::envoy::EnvoyLayout {
+            listen_port: 0,
+            sidecar: kvroute_tests::envoy::SidecarAddr::Uds(sc.uds.clone().expect("uds")),
+            engines: vec![engine.addr, other.addr],
+            wasm_path: kvroute_tests::wasm_path(),
+            filter_config: json!({"timeout_ms": 2000, "default_model": {"block_size": 16}}),
+            with_filter: true,
+            fallback: kvroute_tests::envoy::Fallback::RoundRobin,
+            access_log: false,
+        };
+        tokio::task::spawn_blocking(move || Envoy::start(&layout))
+            .await
+            .expect("join")
+            .expect("envoy")
+    };
+    for (door, gw) in [("picker", &picker), ("wasm", &wasm)] {
+        for _ in 0..3 {
+            let a = send(gw, "/v1/completions", prompt()).await;
+            assert_eq!(
+                (a.status, a.pod.as_str(), a.rank.as_str()),
+                (200, "dp", "2"),
+                "{door}: {}",
+                a.body
+            );
+            let listed: Vec<&str> = a.seen_steer.split(',').collect();
+            assert_eq!(listed[0], engine.addr.to_string(), "{door}");
+            assert_eq!(
+                listed
+                    .iter()
+                    .filter(|p| **p == engine.addr.to_string())
+                    .count(),
+                1,
+                "{door}: an address once in the list: {listed:?}"
+            );
+        }
+    }
+    // The reports released the rank's decisions (the served address is the rank's).
+    let released = {
+        let mut v = 0.0;
+        for _ in 0..100 {
+            v = api
+                .metric("kvroute_report_decisions_total{outcome=\"released\"}")
+                .await;
+            if v >= 6.0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        v
+    };
+    assert_eq!(released, 6.0);
+    let pods = api.get("/v1/status").await.json;
+    assert!(
+        pods.to_string().contains(&ranks[2]),
+        "the rank is a pod of its own on the status: {pods}"
+    );
 }

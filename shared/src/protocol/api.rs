@@ -361,11 +361,49 @@ impl ReportBatch {
 }
 
 /// A pod's identity: an IP literal and a port (`10.0.0.7:8000`, `[fd00::7]:8000`), as
-/// Envoy's original-destination override takes it (a DNS name there is never steered).
-/// Subjects, tombstones and index slots are keyed by it, so it is checked before any
-/// of them is created.
+/// Envoy's original-destination override takes it (a DNS name there is never steered),
+/// or one data-parallel rank of the engine there (`10.0.0.7:8000@2`: each rank has its
+/// own KV cache, so each is a pod of its own). Subjects, tombstones and index slots are
+/// keyed by it, so it is checked before any of them is created.
 pub fn valid_pod_addr(s: &str) -> bool {
-    s.len() <= 64 && s.parse::<std::net::SocketAddr>().is_ok()
+    s.len() <= 64 && parse_pod(s).is_some()
+}
+
+/// The highest data-parallel rank a pod id may name.
+pub const MAX_DP_RANK: u16 = 1023;
+
+/// A pod id's address and data-parallel rank. The rank is written without leading zeros,
+/// so one rank has one id.
+pub fn parse_pod(s: &str) -> Option<(std::net::SocketAddr, Option<u16>)> {
+    let (addr, rank) = split_rank(s);
+    let addr = addr.parse::<std::net::SocketAddr>().ok()?;
+    let rank = match rank {
+        None => None,
+        Some(r) => {
+            let canonical = !r.is_empty()
+                && r.bytes().all(|b| b.is_ascii_digit())
+                && (r == "0" || !r.starts_with('0'));
+            let n: u16 = r.parse().ok().filter(|n| canonical && *n <= MAX_DP_RANK)?;
+            Some(n)
+        }
+    };
+    Some((addr, rank))
+}
+
+/// A steerable pod id: its address as [`valid_endpoint`] takes it and, if any, a rank as
+/// [`parse_pod`] takes it. What the filter and the picker accept from a route answer.
+pub fn valid_steer(s: &str) -> bool {
+    let (addr, rank) = split_rank(s);
+    valid_endpoint(addr) && rank.is_none_or(|_| parse_pod(s).is_some())
+}
+
+/// A pod id cut into what the data plane steers to (`ip:port`) and the data-parallel rank
+/// the engine is told, if any. Not validated: see [`parse_pod`].
+pub fn split_rank(s: &str) -> (&str, Option<&str>) {
+    match s.rsplit_once('@') {
+        Some((addr, rank)) => (addr, Some(rank)),
+        None => (s, None),
+    }
 }
 
 /// `host:port` as Envoy's override-host header carries it (a pod's identity). Also keeps
@@ -384,4 +422,33 @@ pub fn valid_endpoint(s: &str) -> bool {
             b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_' | b':' | b'[' | b']')
         });
     port_ok && host_ok
+}
+
+#[cfg(test)]
+mod pod_id_tests {
+    use super::*;
+
+    #[test]
+    fn a_rank_is_a_pod_of_its_own_with_one_spelling() {
+        let a: std::net::SocketAddr = "10.0.0.7:8000".parse().expect("addr");
+        assert_eq!(parse_pod("10.0.0.7:8000"), Some((a, None)));
+        assert_eq!(parse_pod("10.0.0.7:8000@0"), Some((a, Some(0))));
+        assert_eq!(parse_pod("10.0.0.7:8000@1023"), Some((a, Some(1023))));
+        assert!(parse_pod("[fd00::7]:8000@3").is_some());
+        for bad in [
+            "10.0.0.7:8000@",
+            "10.0.0.7:8000@01",
+            "10.0.0.7:8000@1024",
+            "10.0.0.7:8000@-1",
+            "10.0.0.7:8000@1@2",
+            "10.0.0.7@1",
+            "pod:8000@1",
+            "10.0.0.7:8000@1 ",
+        ] {
+            assert!(!valid_pod_addr(bad), "{bad}");
+        }
+        assert_eq!(split_rank("10.0.0.7:8000@2"), ("10.0.0.7:8000", Some("2")));
+        assert!(valid_steer("pod-a.ns.svc:80") && valid_steer("10.0.0.7:8000@2"));
+        assert!(!valid_steer("10.0.0.7:8000@02") && !valid_steer("a b:80@1"));
+    }
 }

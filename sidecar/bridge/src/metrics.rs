@@ -18,6 +18,7 @@ pub(crate) struct Counters {
     pub(crate) messages: Counter,
     pub(crate) bad_frames: Counter,
     pub(crate) bad_payloads: Counter,
+    pub(crate) other_rank: Counter,
     pub(crate) send_failures: Counter,
     pub(crate) replayed: Counter,
     pub(crate) replay_failures: Counter,
@@ -41,6 +42,7 @@ impl Default for Counters {
             messages: Counter::default(),
             bad_frames: Counter::default(),
             bad_payloads: Counter::default(),
+            other_rank: Counter::default(),
             send_failures: Counter::default(),
             replayed: Counter::default(),
             replay_failures: Counter::default(),
@@ -64,6 +66,11 @@ impl Default for Counters {
                 "bad_payloads",
                 "Payloads that are not an engine event batch.",
                 &c.bad_payloads,
+            ),
+            (
+                "other_rank_batches",
+                "Batches from another data-parallel rank than --dp-rank (refused: another bridge serves it).",
+                &c.other_rank,
             ),
             (
                 "send_failures",

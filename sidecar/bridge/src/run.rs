@@ -54,6 +54,12 @@ pub struct BridgeArgs {
     /// The pod as the gateway reaches it (`ip:port` of the engine's HTTP server).
     #[arg(long, env = "KVROUTE_BRIDGE_POD")]
     pub pod: String,
+    /// The engine's data-parallel rank this bridge follows (vLLM publishes each rank's
+    /// events on its own ZMQ port: the endpoint's port + rank). Its blocks then belong to
+    /// the pod `ip:port@rank`, routed to by the rank header; batches of other ranks are
+    /// refused and counted.
+    #[arg(long, env = "KVROUTE_BRIDGE_DP_RANK")]
+    pub dp_rank: Option<u16>,
     /// The model name clients send (the kvroute namespace; LoRA adapters ride on it).
     #[arg(long, env = "KVROUTE_BRIDGE_MODEL")]
     pub model: String,
@@ -100,8 +106,23 @@ pub struct BridgeArgs {
 
 impl BridgeArgs {
     pub fn validate(&self) -> anyhow::Result<()> {
-        if !kvroute_shared::protocol::valid_pod_addr(&self.pod) {
-            anyhow::bail!("--pod {:?} must be IP:port", self.pod);
+        if !matches!(
+            kvroute_shared::protocol::parse_pod(&self.pod),
+            Some((_, None))
+        ) {
+            anyhow::bail!(
+                "--pod {:?} must be IP:port (a rank goes in --dp-rank)",
+                self.pod
+            );
+        }
+        if let Some(r) = self
+            .dp_rank
+            .filter(|r| *r > kvroute_shared::protocol::MAX_DP_RANK)
+        {
+            anyhow::bail!(
+                "--dp-rank {r} is over {}",
+                kvroute_shared::protocol::MAX_DP_RANK
+            );
         }
         if self.model.is_empty() {
             anyhow::bail!("--model must not be empty");
@@ -118,6 +139,14 @@ impl BridgeArgs {
             }
         }
         Ok(())
+    }
+
+    /// The pod id this bridge's blocks belong to: `ip:port`, or `ip:port@rank`.
+    pub fn pod_id(&self) -> String {
+        match self.dp_rank {
+            Some(r) => format!("{}@{r}", self.pod),
+            None => self.pod.clone(),
+        }
     }
 
     pub fn engine_metrics_url(&self) -> Option<String> {
@@ -144,6 +173,8 @@ struct Bridge {
     tr: Mutex<Translator>,
     n: Counters,
     dump_token: Option<String>,
+    /// `--dp-rank`: batches naming another rank are not this pod's.
+    dp_rank: Option<u16>,
 }
 
 pub async fn run(
@@ -158,11 +189,12 @@ pub async fn run(
     let epoch_base = format!("bridge-{started}-{}", std::process::id());
     let br = Arc::new(Bridge {
         tr: Mutex::new(
-            Translator::new(&a.pod, &a.model, a.block_size, &epoch_base)
+            Translator::new(&a.pod_id(), &a.model, a.block_size, &epoch_base)
                 .with_dump_url(a.advertised_dump_url()),
         ),
         n: Counters::default(),
         dump_token: a.dump_token.clone().filter(|t| !t.is_empty()),
+        dp_rank: a.dp_rank,
     });
     if br.dump_token.is_none() && !a.listen.ip().is_loopback() {
         tracing::warn!("no --dump-token: GET /dump answers loopback clients only");
@@ -319,6 +351,18 @@ fn apply(br: &Bridge, seq: u64, payload: &[u8], tx: &Out) -> bool {
             return true;
         }
     };
+    if let (Some(want), Some(got)) = (br.dp_rank, batch.dp_rank) {
+        if got != i64::from(want) {
+            br.n.other_rank.inc();
+            tracing::warn!(
+                seq,
+                got,
+                want,
+                "a batch of another data-parallel rank refused"
+            );
+            return true;
+        }
+    }
     let out = br.tr.lock().on_batch(seq, &batch);
     out.is_none_or(|b| queue(br, tx, b))
 }

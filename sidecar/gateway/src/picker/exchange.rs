@@ -27,7 +27,10 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use kvroute_filter::config::{FilterConfig, ModelSettings};
 use kvroute_filter::logic::{self, FromHeaders, Skip};
 use kvroute_filter::usage::{Head, Tail};
-use kvroute_shared::protocol::{valid_endpoint, CompletionReport, RouteRequest, RouteResponse};
+use kvroute_shared::protocol::{
+    parse_pod, split_rank, valid_endpoint, valid_steer, CompletionReport, RouteRequest,
+    RouteResponse,
+};
 
 use super::wire::{self, Dir};
 use crate::route::RouteError;
@@ -377,7 +380,7 @@ impl Exchange {
         }
         let eos = !self.trailers_owed;
         let resp = match r {
-            Ok(resp) if valid_endpoint(&resp.pod) => resp,
+            Ok(resp) if valid_steer(&resp.pod) => resp,
             Ok(_) => {
                 self.settle(Outcome::Refused);
                 return self.flush(Some(self.strip()), None, eos);
@@ -400,19 +403,30 @@ impl Exchange {
                 return self.flush(Some(self.strip()), None, eos);
             }
         };
-        let mut endpoints = vec![resp.pod.as_str()];
-        endpoints.extend(
-            resp.ranked
-                .iter()
-                .map(|r| r.pod.as_str())
-                .filter(|p| *p != resp.pod && valid_endpoint(p))
-                .take(FALLBACKS),
-        );
+        // The data plane steers to addresses: a pod that is one data-parallel rank is its
+        // address, and the rank goes to the engine in its own header.
+        let address = split_rank(&resp.pod).0;
+        let mut endpoints = vec![address];
+        for p in resp.ranked.iter().map(|r| r.pod.as_str()) {
+            let a = split_rank(p).0;
+            if endpoints.len() > FALLBACKS {
+                break;
+            }
+            if valid_steer(p) && !endpoints.contains(&a) {
+                endpoints.push(a);
+            }
+        }
         let list = endpoints.join(",");
         let mut mutation = HeaderMutation {
             set_headers: vec![wire::set(&self.cfg.steer_header, &list)],
             ..Default::default()
         };
+        match parse_pod(&resp.pod).and_then(|(_, r)| r) {
+            Some(r) => mutation
+                .set_headers
+                .push(wire::set(&self.cfg.rank_header, &r.to_string())),
+            None => mutation.remove_headers.push(self.cfg.rank_header.clone()),
+        }
         match resp.prefill_pod.as_deref().filter(|p| valid_endpoint(p)) {
             Some(p) => mutation
                 .set_headers
@@ -524,12 +538,17 @@ impl Exchange {
     /// no response came, the client or the data plane gave up).
     pub fn report(&self, now: Instant) -> Option<CompletionReport> {
         let d = self.decision.as_ref()?;
-        let pod = self
+        // Served where it was sent: the chosen pod (a rank keeps its rank); elsewhere (a
+        // fallback): the endpoint that served.
+        let pod = match self
             .served
             .as_deref()
             .and_then(|s| s.split(',').next())
             .filter(|s| valid_endpoint(s))
-            .unwrap_or(&d.pod);
+        {
+            Some(s) if s != split_rank(&d.pod).0 => s,
+            _ => &d.pod,
+        };
         Some(logic::completion_report(
             &d.id,
             self.request_id.as_deref().unwrap_or_default(),

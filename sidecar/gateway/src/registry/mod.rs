@@ -477,9 +477,9 @@ impl View<'_> {
 /// An http(s) URL whose host is the pod's own IP and whose port is the pod's own or one
 /// of `ports`: the only dump location a batch may name (a registration may name any).
 pub fn dump_url_on_pod(url: &str, pod: &str, ports: &[u16]) -> bool {
-    let (Ok(u), Ok(addr)) = (
+    let (Ok(u), Some((addr, _))) = (
         reqwest::Url::parse(url),
-        pod.parse::<std::net::SocketAddr>(),
+        kvroute_shared::protocol::parse_pod(pod),
     ) else {
         return false;
     };
@@ -498,7 +498,7 @@ pub fn dump_url_on_pod(url: &str, pod: &str, ports: &[u16]) -> bool {
 /// link-local, multicast (v4 and v6, v4-mapped included).
 pub fn local_address(pod: &str) -> bool {
     use std::net::IpAddr;
-    let Ok(addr) = pod.parse::<std::net::SocketAddr>() else {
+    let Some((addr, _)) = kvroute_shared::protocol::parse_pod(pod) else {
         return false;
     };
     let ip = match addr.ip() {
