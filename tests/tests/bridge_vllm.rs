@@ -398,3 +398,49 @@ fn block_batch(tokens: &[u32], i: usize, parent: Option<u64>) -> Vec<u8> {
         &tokens[i * b..(i + 1) * b],
     )])
 }
+
+/// A bridge following one data-parallel rank (`--dp-rank`): its blocks belong to the pod
+/// `ip:port@rank`, and a batch of another rank (a mis-wired ZMQ port) is refused and
+/// counted, never credited to this rank.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ranks_bridge_names_the_rank_and_refuses_other_ranks() {
+    let sc = SidecarProc::start(&[], false).expect("sidecar");
+    let api = Api::new(sc.addr);
+    let (mut engine, port) = Engine::bind().await;
+    let bridge = BridgeProc::start(
+        &format!("tcp://127.0.0.1:{port}"),
+        POD,
+        &[
+            format!("--sidecar=http://{}", sc.addr),
+            "--dp-rank=1".into(),
+        ],
+    )
+    .expect("bridge");
+    let tokens: Vec<u32> = (0..2 * BS).map(|i| 5000 + i).collect();
+    let chain = token_chain(M, BS, &tokens);
+    let of_rank = |rank: i64| {
+        msgpack(&Value::Array(vec![
+            1.0.into(),
+            Value::Array(vec![stored_positional(&[701, 702], None, &tokens)]),
+            rank.into(),
+        ]))
+    };
+    // Rank 0's batch first, until the subscription is surely live: never indexed.
+    for seq in 0..20 {
+        engine.send(seq, of_rank(0)).await;
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(api.matched(M, &chain, BS).await, 0, "another rank's blocks");
+    let m = bridge.get("/metrics").await;
+    assert!(
+        m.lines()
+            .any(|l| l.starts_with("kvroute_bridge_other_rank_batches_total") && !l.ends_with(" 0")),
+        "{m}"
+    );
+    send_until(&mut engine, &api, 20, of_rank(1), &chain, 2).await;
+    let confirmed = api.until_confirmed(M, &chain, 2).await;
+    assert!(
+        confirmed.to_string().contains(&format!("{POD}@1")),
+        "the rank's pod holds them: {confirmed}"
+    );
+}

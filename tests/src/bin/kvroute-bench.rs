@@ -104,6 +104,11 @@ enum Cmd {
         /// is also shown with one gateway and without replica sync (herding).
         #[arg(long, default_value_t = 1)]
         gateways: usize,
+        /// Data-parallel ranks per engine address: --pods counts ranks, each a pod of its
+        /// own (`ip:port@rank`); the `rank-blind` policy is kvroute seeing one pod per
+        /// address with the engine balancing its ranks.
+        #[arg(long, default_value_t = 1)]
+        dp_ranks: usize,
         /// Delay of load deltas between gateways.
         #[arg(long, default_value_t = 20.0)]
         delta_delay_ms: f64,
@@ -227,6 +232,7 @@ fn main() -> anyhow::Result<()> {
             event_delay_ms,
             event_loss,
             gateways,
+            dp_ranks,
             delta_delay_ms,
             config,
             text_bytes_per_token,
@@ -325,6 +331,7 @@ fn main() -> anyhow::Result<()> {
                         block_bytes: 256,
                         bytes_per_token: text_bytes_per_token.clone(),
                     }),
+                    dp_ranks: dp_ranks.max(1),
                 };
                 let res = sim::compare(label, reqs, &o, &policies);
                 if let Some(p) = &svg {

@@ -25,6 +25,11 @@ pub enum Policy {
     PrefixGreedy,
     Dynamo,
     Sglang,
+    /// kvroute as it was before data-parallel ranks were pods: each engine address is one
+    /// pod to the router (its ranks' caches merged, their loads summed), and the engine
+    /// runs the request on its least-busy rank (vLLM's own balancing), whichever rank holds
+    /// the prefix. Only meaningful with `dp_ranks` > 1.
+    RankBlind,
 }
 
 impl Policy {
@@ -51,17 +56,20 @@ impl Policy {
             Policy::PrefixGreedy => "prefix-greedy",
             Policy::Dynamo => "dynamo",
             Policy::Sglang => "sglang",
+            Policy::RankBlind => "rank-blind",
         }
     }
 
     pub fn parse(s: &str) -> Option<Policy> {
         Policy::ALL
             .into_iter()
+            .chain([Policy::RankBlind])
             .find(|p| p.name() == s || p.name().replace('-', "_") == s)
     }
 
-    /// A fresh selector for one simulated gateway.
-    pub fn selector(self, seed: u64) -> Box<dyn Selector> {
+    /// A fresh selector for one simulated gateway; `dp_ranks` ranks share each engine
+    /// address (1: none).
+    pub fn selector(self, seed: u64, dp_ranks: usize) -> Box<dyn Selector> {
         match self {
             Policy::Kvroute => Box::new(PolicySelector),
             Policy::Random => Box::new(Random(Rng(seed))),
@@ -72,7 +80,61 @@ impl Policy {
             Policy::PrefixGreedy => Box::new(PrefixGreedy(seed as usize)),
             Policy::Dynamo => Box::new(Dynamo),
             Policy::Sglang => Box::new(Sglang),
+            Policy::RankBlind => Box::new(RankBlind {
+                ranks: dp_ranks.max(1),
+            }),
         }
+    }
+}
+
+/// See [`Policy::RankBlind`]. The candidates come in pod-id order, so the ranks of one
+/// address (`ip:port@0`, `@1`, ...) are contiguous; with any missing, it falls back to
+/// kvroute's own pick.
+struct RankBlind {
+    ranks: usize,
+}
+
+impl Selector for RankBlind {
+    fn select(
+        &mut self,
+        cfg: &PolicyConfig,
+        ask: &Ask,
+        req: &RouteRequest,
+        c: &[Candidate],
+    ) -> Option<Ranking> {
+        if self.ranks <= 1 || c.is_empty() || c.len() % self.ranks != 0 {
+            return PolicySelector.select(cfg, ask, req, c);
+        }
+        let merged: Vec<Candidate> = c
+            .chunks(self.ranks)
+            .enumerate()
+            .map(|(g, ranks)| {
+                let mut m = ranks[0].clone();
+                m.index = g;
+                for r in &ranks[1..] {
+                    m.matched = m.matched.max(r.matched);
+                    m.predicted = m.predicted.max(r.predicted);
+                    m.bound = m.bound.max(r.bound);
+                    m.pinned |= r.pinned;
+                    m.stale |= r.stale;
+                    let (l, x) = (&mut m.load, &r.load);
+                    l.pending_prefill_tokens += x.pending_prefill_tokens;
+                    l.decode_blocks += x.decode_blocks;
+                    l.inflight += x.inflight;
+                    l.queued += x.queued;
+                    l.prefix_inflight += x.prefix_inflight;
+                    l.recent_blocks += x.recent_blocks;
+                }
+                m.tiers = None;
+                m
+            })
+            .collect();
+        let g = PolicySelector.select(cfg, ask, req, &merged)?.chosen();
+        // The engine's own choice among its ranks: the least busy.
+        let first = g * self.ranks;
+        (first..first + self.ranks)
+            .min_by_key(|&k| (c[k].load.queued * 4 + c[k].load.inflight, k))
+            .and_then(chose)
     }
 }
 

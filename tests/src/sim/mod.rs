@@ -45,6 +45,17 @@ pub use baselines::Policy;
 pub use report::{by_policy, compare, infinite_cache_bound, svg_bars, Bound};
 pub use workloads::{default_rate, generated, WORKLOADS};
 
+/// Simulated pod `k`'s id: an address, or one rank of one (`dp_ranks` > 1).
+fn pod_id(k: usize, dp_ranks: usize) -> String {
+    let (a, r) = (k / dp_ranks.max(1), k % dp_ranks.max(1));
+    let addr = format!("10.0.{}.{}:8000", a / 250, a % 250 + 1);
+    if dp_ranks > 1 {
+        format!("{addr}@{r}")
+    } else {
+        addr
+    }
+}
+
 /// The model name the simulated pods serve.
 const MODEL: &str = "sim";
 
@@ -67,6 +78,9 @@ pub struct SimOpts {
     pub replica_sync: bool,
     /// Route text chains instead of token chains.
     pub text: Option<TextChains>,
+    /// Data-parallel ranks per engine address (1: none): pod `k` is rank `k % dp_ranks`
+    /// of address `k / dp_ranks`, a pod of its own (`ip:port@rank`).
+    pub dp_ranks: usize,
 }
 
 /// Requests as text chains: a chain block is `block_bytes` canonical bytes, and the
@@ -95,6 +109,7 @@ impl SimOpts {
             delta_delay_s: 0.02,
             replica_sync: true,
             text: None,
+            dp_ranks: 1,
         }
     }
 }
@@ -477,13 +492,13 @@ pub fn simulate_labelled(reqs: &[Request], o: &SimOpts, p: Policy, workload: &st
                 sc,
                 recovery: Recovery::default(),
                 outbox: ch.outbox,
-                selector: p.selector(o.seed.wrapping_add(g as u64)),
+                selector: p.selector(o.seed.wrapping_add(g as u64), o.dp_ranks),
             }
         })
         .collect();
     let pods: Vec<Pod> = (0..o.pods)
         .map(|k| Pod {
-            id: format!("10.0.{}.{}:8000", k / 250, k % 250 + 1),
+            id: pod_id(k, o.dp_ranks),
             cache: BlockCache::new(o.capacity_blocks),
             waiting: VecDeque::new(),
             prefill_queue: VecDeque::new(),
