@@ -102,7 +102,7 @@ impl Selector for RankBlind {
         req: &RouteRequest,
         c: &[Candidate],
     ) -> Option<Ranking> {
-        if self.ranks <= 1 || c.is_empty() || c.len() % self.ranks != 0 {
+        if self.ranks <= 1 || c.is_empty() || !c.len().is_multiple_of(self.ranks) {
             return PolicySelector.select(cfg, ask, req, c);
         }
         let merged: Vec<Candidate> = c
