@@ -94,6 +94,12 @@ pub struct EngineArgs {
     pub error_fraction: f64,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Data-parallel ranks behind this one port, each with its own cache, queue and KV
+    /// event stream (pod `ip:port@rank`). A request runs on the rank its
+    /// `x-data-parallel-rank` header names (vLLM's), else on the least busy one.
+    /// kvroute's own events only (not `--zmq-events`).
+    #[arg(long, default_value_t = 1)]
+    pub dp_ranks: usize,
     /// A Hugging Face model directory: chat and text prompts are tokenized with its
     /// tokenizer and chat template as vLLM does (the same code the sidecar's
     /// `--tokenizer` runs, checked against transformers), instead of o200k + ChatML.
@@ -126,7 +132,9 @@ struct Engine {
     pod: String,
     tokenizer: tiktoken_rs::CoreBPE,
     /// `--model-dir`: the model's own tokenizer and template.
-    model_tok: Option<kvroute_sidecar::ModelTokenizer>,
+    model_tok: Option<Arc<kvroute_sidecar::ModelTokenizer>>,
+    /// Where this rank's dump is served (its rank in the query when there are several).
+    dump_url: String,
     cache: Mutex<BlockCache>,
     epoch: Mutex<String>,
     seq: AtomicU64,
@@ -171,7 +179,7 @@ impl Engine {
             ts: Some(unix_now()),
             // Named in every batch, so a sidecar that never saw a registration (or lost
             // it in a restart) can still resync this pod.
-            dump_url: Some(format!("http://{}/kvroute/dump", self.pod)),
+            dump_url: Some(self.dump_url.clone()),
             events,
         };
         let _ = self.events.send(b);
@@ -277,7 +285,59 @@ fn new_epoch(rng: &mut Rng) -> String {
 pub async fn run(args: EngineArgs) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let addr = listener.local_addr()?;
-    let mut rng = Rng(args.seed ^ addr.port() as u64 ^ (unix_now() * 1e6) as u64);
+    let ranks = args.dp_ranks.max(1);
+    anyhow::ensure!(
+        ranks == 1 || args.zmq_events.is_none(),
+        "--dp-ranks with --zmq-events is not simulated (vLLM binds a ZMQ port per rank)"
+    );
+    anyhow::ensure!(
+        ranks <= usize::from(kvroute_shared::protocol::MAX_DP_RANK) + 1,
+        "--dp-ranks {ranks} is too many"
+    );
+    let model_tok = match &args.model_dir {
+        Some(d) => Some(Arc::new(kvroute_sidecar::ModelTokenizer::load(
+            d,
+            64 << 20,
+        )?)),
+        None => None,
+    };
+    let mut engines = Vec::new();
+    for r in 0..ranks {
+        let (pod, dump_url) = if ranks > 1 {
+            (
+                format!("{addr}@{r}"),
+                format!("http://{addr}/kvroute/dump?rank={r}"),
+            )
+        } else {
+            (addr.to_string(), format!("http://{addr}/kvroute/dump"))
+        };
+        let seed = args.seed ^ addr.port() as u64 ^ (unix_now() * 1e6) as u64 ^ (r as u64) << 40;
+        engines.push(start_rank(args.clone(), pod, dump_url, model_tok.clone(), Rng(seed)).await?);
+    }
+    let app = if ranks == 1 {
+        rank_app(engines[0].clone())
+    } else {
+        ranked_app(engines)
+    };
+    eprintln!("kvroute-engine-sim: listening on {addr}");
+    // Small streamed writes (headers, then one chunk per token) must not wait for
+    // delayed ACKs: Nagle off, as real engines' servers do.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |s| {
+        let _ = s.set_nodelay(true);
+    });
+    axum::serve(listener, app).await?;
+    Ok(())
+}
+
+/// One engine (a data-parallel rank of the process, or the whole of it) and its event
+/// and load tasks.
+async fn start_rank(
+    args: EngineArgs,
+    pod: String,
+    dump_url: String,
+    model_tok: Option<Arc<kvroute_sidecar::ModelTokenizer>>,
+    mut rng: Rng,
+) -> anyhow::Result<Arc<Engine>> {
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let tokenizer = tiktoken_rs::o200k_base().map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?;
     let vllm = match &args.zmq_events {
@@ -286,12 +346,9 @@ pub async fn run(args: EngineArgs) -> anyhow::Result<()> {
         )),
         None => None,
     };
-    let model_tok = match &args.model_dir {
-        Some(d) => Some(kvroute_sidecar::ModelTokenizer::load(d, 64 << 20)?),
-        None => None,
-    };
     let eng = Arc::new(Engine {
-        pod: addr.to_string(),
+        pod,
+        dump_url,
         tokenizer,
         model_tok,
         cache: Mutex::new(BlockCache::new(args.capacity_blocks)),
@@ -310,7 +367,12 @@ pub async fn run(args: EngineArgs) -> anyhow::Result<()> {
     });
     tokio::spawn(event_sender(eng.clone(), rx));
     tokio::spawn(load_reporter(eng.clone()));
-    let app = Router::new()
+    Ok(eng)
+}
+
+/// One rank's endpoints.
+fn rank_app(eng: Arc<Engine>) -> Router {
+    Router::new()
         .route("/v1/completions", post(complete))
         .route("/v1/chat/completions", post(complete))
         .route("/v1/messages", post(complete))
@@ -324,15 +386,52 @@ pub async fn run(args: EngineArgs) -> anyhow::Result<()> {
         .route("/admin/stats", get(stats))
         .route("/metrics", get(metrics))
         .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
-        .with_state(eng.clone());
-    eprintln!("kvroute-engine-sim: listening on {addr}");
-    // Small streamed writes (headers, then one chunk per token) must not wait for
-    // delayed ACKs: Nagle off, as real engines' servers do.
-    let listener = axum::serve::ListenerExt::tap_io(listener, |s| {
-        let _ = s.set_nodelay(true);
-    });
-    axum::serve(listener, app).await?;
-    Ok(())
+        .with_state(eng)
+}
+
+/// Several ranks behind one port: each request goes to the rank its
+/// `x-data-parallel-rank` header (or `?rank=`) names, else to the least busy rank, as
+/// vLLM's own data-parallel balancing does; a rank out of range is refused (400).
+fn ranked_app(engines: Vec<Arc<Engine>>) -> Router {
+    use tower::ServiceExt as _;
+    let apps: Arc<Vec<Router>> = Arc::new(engines.iter().cloned().map(rank_app).collect());
+    let engines = Arc::new(engines);
+    Router::new().fallback(move |req: axum::extract::Request| {
+        let (apps, engines) = (apps.clone(), engines.clone());
+        async move {
+            let named = req
+                .headers()
+                .get("x-data-parallel-rank")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+                .or_else(|| {
+                    req.uri()
+                        .query()
+                        .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("rank=")))
+                        .map(str::to_owned)
+                });
+            let k = match named {
+                Some(s) => match s.trim().parse::<usize>() {
+                    Ok(k) if k < apps.len() => k,
+                    _ => return error(StatusCode::BAD_REQUEST, "no such data-parallel rank"),
+                },
+                None => (0..engines.len())
+                    .min_by_key(|&k| {
+                        let e = &engines[k];
+                        (
+                            e.waiting.load(Ordering::Relaxed) * 4
+                                + e.running.load(Ordering::Relaxed),
+                            k,
+                        )
+                    })
+                    .unwrap_or(0),
+            };
+            match apps[k].clone().oneshot(req).await {
+                Ok(r) => r,
+                Err(never) => match never {},
+            }
+        }
+    })
 }
 
 /// Publishes batches with the fault knobs applied (drop, duplicate, delay).
