@@ -433,7 +433,11 @@ async fn poll_load(br: Arc<Bridge>, url: String, every: Duration, tx: Out, mut s
             Ok(r) if r.status().is_success() => r.text().await.ok(),
             _ => None,
         };
-        let Some((running, waiting, usage)) = text.as_deref().and_then(vllm::engine_load) else {
+        // A rank's bridge reads its own rank's series.
+        let load = text
+            .as_deref()
+            .and_then(|t| vllm::engine_load_of(t, br.dp_rank));
+        let Some((running, waiting, usage)) = load else {
             br.n.load_poll_failures.inc();
             continue;
         };

@@ -259,11 +259,27 @@ impl<'a> Fields<'a> {
 /// `sglang:num_queue_reqs`, `sglang:token_usage`); values of several label sets are summed
 /// (usage: the largest). `None` when the text names none of them.
 pub fn engine_load(metrics: &str) -> Option<(u32, u32, f64)> {
+    engine_load_of(metrics, None)
+}
+
+/// [`engine_load`] of one data-parallel rank: only the series vLLM labels
+/// `engine="<rank>"` (each rank's engine core reports its own).
+pub fn engine_load_of(metrics: &str, rank: Option<u16>) -> Option<(u32, u32, f64)> {
+    let label = rank.map(|r| format!("engine=\"{r}\""));
     let (mut running, mut waiting, mut usage) = (None::<f64>, None::<f64>, None::<f64>);
     for line in metrics.lines().filter(|l| !l.starts_with('#')) {
         let Some((key, value)) = line.rsplit_once(' ') else {
             continue;
         };
+        if let Some(l) = &label {
+            let labels = key.split_once('{').map_or("", |(_, rest)| rest);
+            if !labels
+                .split(',')
+                .any(|kv| kv.trim().trim_end_matches('}') == l)
+            {
+                continue;
+            }
+        }
         let Ok(v) = value.trim().parse::<f64>() else {
             continue;
         };
@@ -420,6 +436,10 @@ pub(crate) mod tests {
             vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.41\n\
             vllm:prompt_tokens_total{model_name=\"m\"} 1234.0\n";
         assert_eq!(engine_load(vllm), Some((5, 1, 0.41)));
+        // One rank's own series only.
+        assert_eq!(engine_load_of(vllm, Some(1)), Some((2, 0, 0.0)));
+        assert_eq!(engine_load_of(vllm, Some(0)), Some((3, 1, 0.41)));
+        assert_eq!(engine_load_of(vllm, Some(7)), None);
         let sglang = "sglang:num_running_reqs{model_name=\"m\"} 7\nsglang:num_queue_reqs{model_name=\"m\"} 2\nsglang:token_usage{model_name=\"m\"} 1.7\n";
         assert_eq!(engine_load(sglang), Some((7, 2, 1.0)));
         assert_eq!(engine_load("up 1\nvllm:num_requests_running NaN\n"), None);
