@@ -316,16 +316,40 @@ fn agentic_sessions_beat_every_baseline() {
     }
 }
 
-/// Four data-parallel ranks behind one engine address, each a pod of its own
-/// (`ip:port@rank`), route as well as four separate pods (within 2 points of hit rate),
-/// and far better than the same router seeing one pod per address while the engine
-/// balances its ranks (`rank-blind`): 3.6x on a shared-prefix workload, 1.36x on
-/// multi-turn chat where the shared system prompt is on every rank anyway.
+/// Data-parallel ranks, each a pod of its own (`ip:port@rank`), route as well as
+/// separate pods (within 2 points of hit rate), and far better than the same router
+/// seeing one pod per address while the engine balances its ranks (`rank-blind`): on the
+/// 80 Claude Code sessions over 2 addresses x 4 ranks, 0.948 against 0.630 (1.50x; mean
+/// TTFT 0.78 s against 68.6 s); on a shared-prefix workload 3.6x; on multi-turn chat
+/// with a system prompt every rank holds anyway 1.36x (its cache ceiling is 0.850, so
+/// 1.5x would need the engine's balancing below round-robin).
 #[test]
 fn data_parallel_ranks_route_as_separate_pods() {
-    for (w, min_ratio) in [("sglang-shared-prefix", 3.0), ("multiround-qa", 1.3)] {
-        let reqs = sim::generated(w, 16, 4.0, 1).expect("workload");
-        let pods = SimOpts::new(4, 2048, 16);
+    let agentic = kvroute_tests::workload::load_agentic(
+        &kvroute_tests::workload::default_agentic(),
+        kvroute_tests::workload::AgenticOpts {
+            block_tokens: 512,
+            mean_gap_s: 4.0,
+            seed: 1,
+        },
+    )
+    .expect("sessions");
+    let cases = [
+        ("agentic", agentic, SimOpts::new(8, 4096, 512), 1.45),
+        (
+            "sglang-shared-prefix",
+            sim::generated("sglang-shared-prefix", 16, 4.0, 1).expect("workload"),
+            SimOpts::new(4, 2048, 16),
+            3.0,
+        ),
+        (
+            "multiround-qa",
+            sim::generated("multiround-qa", 16, 4.0, 1).expect("workload"),
+            SimOpts::new(4, 2048, 16),
+            1.3,
+        ),
+    ];
+    for (w, reqs, pods, min_ratio) in cases {
         let ranks = SimOpts {
             dp_ranks: 4,
             ..pods.clone()
@@ -333,6 +357,10 @@ fn data_parallel_ranks_route_as_separate_pods() {
         let separate = sim::simulate(&reqs, &pods, Policy::Kvroute);
         let as_pods = sim::simulate(&reqs, &ranks, Policy::Kvroute);
         let blind = sim::simulate(&reqs, &ranks, Policy::RankBlind);
+        eprintln!(
+            "{w}: pods {:.3}, ranks as pods {:.3}, rank-blind {:.3}",
+            separate.hit_rate, as_pods.hit_rate, blind.hit_rate
+        );
         assert!(
             (as_pods.hit_rate - separate.hit_rate).abs() <= 0.02,
             "{w}: ranks {} vs pods {}",
