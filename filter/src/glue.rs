@@ -567,7 +567,7 @@ impl HttpContext for Http {
             _ => 0.0,
         };
         let decision = steered.as_ref().map_or("", |s| s.decision.as_str());
-        let body = logic::report(
+        let body = logic::encode_report(&logic::completion_report(
             decision,
             request_id,
             model,
@@ -576,7 +576,7 @@ impl HttpContext for Http {
             tail.usage(),
             duration_ms,
             head.as_ref().and_then(Head::response_id),
-        );
+        ));
         // A Responses id binds the next turn, which the client may send at once: that
         // report leaves now, with whatever is queued, instead of on the flush tick.
         let urgent = head.is_some();

@@ -272,34 +272,14 @@ pub fn interpret(status: Option<&str>, body: Option<&[u8]>) -> Result<Steer, Ski
     })
 }
 
-/// The completion report sent from `on_log`. `decision` is the id the sidecar gave
-/// the route (empty when the request was not steered); `status` 0 means the client went
-/// away before any response.
-#[allow(clippy::too_many_arguments)]
-pub fn report(
-    decision: &str,
-    request_id: &str,
-    model: &str,
-    pod: &str,
-    status: u16,
-    usage: Option<Usage>,
-    duration_ms: f64,
-    response_id: Option<String>,
-) -> Vec<u8> {
-    let r = completion_report(
-        decision,
-        request_id,
-        model,
-        pod,
-        status,
-        usage,
-        duration_ms,
-        response_id,
-    );
-    serde_json::to_vec(&r).unwrap_or_default()
+/// A completion report as `/v1/report` takes it (JSON).
+pub fn encode_report(r: &CompletionReport) -> Vec<u8> {
+    serde_json::to_vec(r).unwrap_or_default()
 }
 
-/// The completion report itself (the sidecar's picker hands it over in process).
+/// The completion report sent from `on_log` (and handed over in process by the sidecar's
+/// picker). `decision` is the id the sidecar gave the route (empty when the request was
+/// not steered); `status` 0 means the client went away before any response.
 #[allow(clippy::too_many_arguments)]
 pub fn completion_report(
     decision: &str,
@@ -531,7 +511,7 @@ mod tests {
             }),
             ..Usage::default()
         };
-        let r: CompletionReport = serde_json::from_slice(&report(
+        let r: CompletionReport = serde_json::from_slice(&encode_report(&completion_report(
             "ab-7",
             "r",
             "m",
@@ -540,7 +520,7 @@ mod tests {
             Some(u),
             1.5,
             Some("resp_1".into()),
-        ))
+        )))
         .expect("json");
         assert_eq!(r.response_id.as_deref(), Some("resp_1"));
         assert_eq!(
@@ -558,14 +538,20 @@ mod tests {
     fn report_queue_batches_into_a_json_array_the_sidecar_decodes() {
         let mut q = ReportQueue::new(3);
         assert!(q.take().is_none(), "nothing pending, nothing sent");
-        let one = report("d1", "r1", "m", "p:1", 200, None, 1.0, None);
+        let one = encode_report(&completion_report(
+            "d1", "r1", "m", "p:1", 200, None, 1.0, None,
+        ));
         assert!(q.push(&one).is_none());
         assert!(q.push(&[]).is_none(), "an empty encoding is not queued");
         assert!(q
-            .push(&report("d2", "r2", "m", "p:2", 500, None, 2.0, None))
+            .push(&encode_report(&completion_report(
+                "d2", "r2", "m", "p:2", 500, None, 2.0, None
+            )))
             .is_none());
         let (body, n) = q
-            .push(&report("d3", "r3", "m", "p:1", 200, None, 3.0, None))
+            .push(&encode_report(&completion_report(
+                "d3", "r3", "m", "p:1", 200, None, 3.0, None,
+            )))
             .expect("full");
         assert_eq!(n, 3);
         let b = kvroute_shared::protocol::ReportBatch::decode(&body).expect("decodes");

@@ -5,6 +5,19 @@
 
 use kvroute_tests::sim::{self, Policy, SimOpts};
 
+/// The shipped Claude Code sessions as 512-token blocks, starting 4 s apart on average.
+fn agentic_sessions() -> Vec<kvroute_tests::workload::Request> {
+    kvroute_tests::workload::load_agentic(
+        &kvroute_tests::workload::default_agentic(),
+        kvroute_tests::workload::AgenticOpts {
+            block_tokens: 512,
+            mean_gap_s: 4.0,
+            seed: 1,
+        },
+    )
+    .expect("sessions")
+}
+
 fn opts(block_tokens: u32, capacity: usize) -> SimOpts {
     SimOpts::new(8, capacity, block_tokens)
 }
@@ -274,15 +287,7 @@ fn text_chains_at_every_bytes_per_token_keep_their_homes_on_full_caches() {
 /// balance target there, max/mean ≤ 1.5, is not met yet: 1.74 and 2.19.)
 #[test]
 fn agentic_sessions_beat_every_baseline() {
-    let reqs = kvroute_tests::workload::load_agentic(
-        &kvroute_tests::workload::default_agentic(),
-        kvroute_tests::workload::AgenticOpts {
-            block_tokens: 512,
-            mean_gap_s: 4.0,
-            seed: 1,
-        },
-    )
-    .expect("sessions");
+    let reqs = agentic_sessions();
     assert_eq!(
         reqs.len(),
         3600,
@@ -325,15 +330,7 @@ fn agentic_sessions_beat_every_baseline() {
 /// 1.5x would need the engine's balancing below round-robin).
 #[test]
 fn data_parallel_ranks_route_as_separate_pods() {
-    let agentic = kvroute_tests::workload::load_agentic(
-        &kvroute_tests::workload::default_agentic(),
-        kvroute_tests::workload::AgenticOpts {
-            block_tokens: 512,
-            mean_gap_s: 4.0,
-            seed: 1,
-        },
-    )
-    .expect("sessions");
+    let agentic = agentic_sessions();
     let cases = [
         ("agentic", agentic, SimOpts::new(8, 4096, 512), 1.45),
         (
