@@ -447,3 +447,36 @@ fn trailers_end_a_full_duplex_body_and_their_answer_follows_it() {
     assert_eq!(r.len(), 3);
     assert!(matches!(r[2].response, Some(Resp::RequestTrailers(_))));
 }
+
+#[test]
+fn a_model_the_sidecar_tokenizes_hands_the_route_its_prompt_body() {
+    let mut c = FilterConfig::default();
+    c.default_model.sidecar_tokenizes = true;
+    c.tenant_header = "x-tenant".into();
+    let mut ex = Exchange::new(Arc::new(c), Arc::new(|_, s| *s));
+    let h = headers(
+        &[
+            (":method", "POST"),
+            (":path", "/v1/chat/completions"),
+            ("x-tenant", "t1"),
+            ("x-claude-code-session-id", "sess-9"),
+        ],
+        false,
+    );
+    ex.on_message(first(BodySendMode::Buffered, false, h, None));
+    let body = json_chat(&"hello there, ".repeat(60));
+    let j = job(ex.on_message(chunk(body.as_bytes(), true)));
+    assert!(
+        j.req.prompt_body.is_some(),
+        "precise mode: the template's fields go along"
+    );
+    assert_eq!(j.req.session.as_deref(), Some("sess-9"));
+    assert!(
+        !j.req.chain.is_empty(),
+        "and the text chain, for when it cannot tokenize"
+    );
+}
+
+fn json_chat(text: &str) -> String {
+    serde_json::json!({"model": "m", "messages": [{"role": "user", "content": text}]}).to_string()
+}
