@@ -105,6 +105,7 @@ pub fn snapshot(sc: &Sidecar) -> Value {
             "events_rejected": as_map(m.events_rejected.snapshot()),
             "mispredictions": m.mispredictions.get(),
             "precise_prompts": as_map(m.precise.snapshot()),
+            "picker_requests": as_map(m.picker.snapshot()),
             "inflight": sc.ledger().outstanding(),
         },
         "memory": {

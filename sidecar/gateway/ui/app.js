@@ -75,6 +75,11 @@ function drawStatus(s, d) {
   $("t-bindings").textContent = `${fmt(b.session ?? 0)} / ${fmt(b.response ?? 0)}`;
   $("t-bindings").title = `at most ${fmt(b.max_per_kind ?? 0)} of each (${fmt((b.max_bytes ?? 0) / 1048576, 1)} MiB)`;
 
+  const pk = c.picker_requests || {};
+  const steered = pk.routed ?? 0;
+  $("t-picker").textContent = `${fmt(steered)} / ${fmt(sum(pk) - steered)}`;
+  $("t-picker").title = Object.entries(pk).map(([k, v]) => `${k}: ${v}`).join(", ") || "no picker requests";
+
   const agreement = Object.fromEntries((s.agreement || []).map((a) => [a.model, a]));
   rows($("models").tBodies[0], s.models.map((m) => {
     const a = agreement[m.model];
