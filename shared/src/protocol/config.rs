@@ -86,6 +86,17 @@ pub struct PolicyConfig {
     /// bounded-load guard while any candidate has none: there a new request would wait
     /// for decodes to finish, which no cache hit repays.
     pub full_batch_guard: bool,
+    /// The fleet is saturated when its candidates have this many seconds of prefill
+    /// queued on average (at `prefill_tokens_per_s`; 0 = never). Then a block sent where
+    /// it is not cached is work every request queued behind it waits for, not one
+    /// request's latency: the uncached blocks weigh `1 + saturation_weight × (mean backlog
+    /// − this) / prompt` as much, and the
+    /// bounded-load and full-batch guards step aside (leaving the cache would cost more
+    /// than waiting for it).
+    pub saturation_backlog_s: f64,
+    /// Multiplier on that extra weight (how many queued requests an uncached block is
+    /// taken to delay, per prompt of backlog).
+    pub saturation_weight: f64,
     /// Pods whose cost is within this much of the best (in blocks of prefill) are equals,
     /// and the request's tie key picks among them. Replicas that route concurrent cold
     /// requests before hearing of each other's decisions then spread them instead of all
@@ -143,6 +154,8 @@ impl Default for PolicyConfig {
             home_window_s: 10.0,
             hot_prefix_per_pod: 1.0,
             full_batch_guard: true,
+            saturation_backlog_s: 2.0,
+            saturation_weight: 8.0,
             near_tie_cost: 3.0,
             temperature: 0.0,
             explain: false,
@@ -179,6 +192,8 @@ impl PolicyConfig {
         finite_nonneg("home_weight", self.home_weight);
         finite_nonneg("hot_prefix_per_pod", self.hot_prefix_per_pod);
         finite_nonneg("near_tie_cost", self.near_tie_cost);
+        finite_nonneg("saturation_backlog_s", self.saturation_backlog_s);
+        finite_nonneg("saturation_weight", self.saturation_weight);
         finite_nonneg("temperature", self.temperature);
         for (tier, c) in &self.tier_cost {
             if !(0.0..=1.0).contains(c) {
