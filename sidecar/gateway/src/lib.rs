@@ -20,6 +20,7 @@
 //! by name; the modules stay private. The engine-side bridge is its own crate,
 //! `kvroute-bridge`, and the two share only `kvroute-service`.
 
+pub mod admission;
 mod affinity;
 mod agreement;
 mod cleaner;
@@ -52,8 +53,8 @@ pub use ingest::{
 pub use ledger::{clock_origin, Ledger};
 pub use registry::{Pod, Registry, Rules};
 pub use route::{
-    precise::precise, report, report_at, route, route_until, route_with, route_within,
-    PolicySelector, RouteError, Selector,
+    precise::precise, report, report_at, route, route_gated_with, route_until, route_with,
+    route_within, PolicySelector, RouteError, Selector,
 };
 pub use serve::{load_tokenizers, run as serve, wait_for_signal, ServeArgs};
 pub use state::{Channels, Sidecar};

@@ -332,6 +332,7 @@ fn main() -> anyhow::Result<()> {
                         bytes_per_token: text_bytes_per_token.clone(),
                     }),
                     dp_ranks: dp_ranks.max(1),
+                    admission: None,
                 };
                 let res = sim::compare(label, reqs, &o, &policies);
                 if let Some(p) = &svg {

@@ -30,9 +30,10 @@ use kvroute_shared::protocol::{
     CompletionReport, Event, EventBatch, LoadDelta, PolicyConfig, RouteRequest, Tier,
 };
 use kvroute_shared::Mode;
-use kvroute_sidecar::Selector;
+use kvroute_sidecar::admission::{AdmissionQueue, Arrival, Headroom, Limits};
 use kvroute_sidecar::Sidecar;
 use kvroute_sidecar::{self as sidecar, Recovery};
+use kvroute_sidecar::{RouteError, Selector};
 use serde_json::json;
 use tokio::sync::mpsc;
 
@@ -81,6 +82,42 @@ pub struct SimOpts {
     /// Data-parallel ranks per engine address (1: none): pod `k` is rank `k % dp_ranks`
     /// of address `k / dp_ranks`, a pod of its own (`ip:port@rank`).
     pub dp_ranks: usize,
+    /// Hold requests in each gateway's admission queue while no pod has room for them.
+    pub admission: Option<SimAdmission>,
+}
+
+/// The router's admission queue in the simulation: the sidecar's own gate
+/// (`route_gated_with`) and queue ([`AdmissionQueue`]), one per gateway. A request
+/// the gate refuses waits in its priority band, its tenant taking turns with the
+/// others; whenever a pod's work moves on the queue's head is routed again, scored as
+/// things are then; past its TTL it is shed (a 429 in the service).
+#[derive(Clone, Debug)]
+pub struct SimAdmission {
+    pub headroom: Headroom,
+    pub limits: Limits,
+    /// Request `i`'s priority (`priority[i % len]`; empty: all 0).
+    pub priority: Vec<i32>,
+    /// Request `i`'s tenant (`tenant[i % len]`; empty: one tenant).
+    pub tenant: Vec<u32>,
+    /// How long a request of priority `p` may wait: `ttl_s[p]` (the last for higher).
+    pub ttl_s: Vec<f64>,
+}
+
+impl SimAdmission {
+    fn class(&self, i: usize) -> (i32, u32) {
+        let pick = |v: &[i32]| if v.is_empty() { 0 } else { v[i % v.len()] };
+        let t = if self.tenant.is_empty() {
+            0
+        } else {
+            self.tenant[i % self.tenant.len()]
+        };
+        (pick(&self.priority), t)
+    }
+
+    fn ttl(&self, priority: i32) -> Duration {
+        let k = (priority.max(0) as usize).min(self.ttl_s.len().saturating_sub(1));
+        Duration::from_secs_f64(self.ttl_s.get(k).copied().unwrap_or(30.0).max(0.0))
+    }
 }
 
 /// Requests as text chains: a chain block is `block_bytes` canonical bytes, and the
@@ -110,6 +147,7 @@ impl SimOpts {
             replica_sync: true,
             text: None,
             dp_ranks: 1,
+            admission: None,
         }
     }
 }
@@ -131,6 +169,27 @@ pub struct SimResult {
     /// Decisions and the reports the gateways judged mispredicted (all gateways).
     pub decisions: u64,
     pub mispredictions: u64,
+    /// With admission: requests shed (TTL passed, or pushed out of a full queue),
+    /// requests that waited in the queue, the most bytes it held, and figures per
+    /// (priority, tenant) class.
+    pub shed: u64,
+    pub queued: u64,
+    pub queue_peak_bytes: usize,
+    pub classes: Vec<ClassFigures>,
+}
+
+/// One (priority, tenant) class's figures under admission. `dispatched_saturated`:
+/// its requests that left the queue (the dispatches made while the fleet was full).
+#[derive(Clone, Debug, Default)]
+pub struct ClassFigures {
+    pub priority: i32,
+    pub tenant: u32,
+    pub requests: u64,
+    pub served: u64,
+    pub shed: u64,
+    pub dispatched_saturated: u64,
+    pub ttft_mean_ms: f64,
+    pub ttft_p99_ms: f64,
 }
 
 impl SimResult {
@@ -153,6 +212,8 @@ enum Ev {
     Visible(usize),
     /// A load delta reaches gateway `.0` (index into `pending_deltas`).
     Delta(usize, usize),
+    /// Gateway `.0` looks at its admission queue (a deadline, or a periodic look).
+    Admit(usize),
 }
 
 #[derive(PartialEq)]
@@ -188,6 +249,10 @@ struct Gateway {
     recovery: Recovery,
     outbox: mpsc::Receiver<LoadDelta>,
     selector: Box<dyn Selector>,
+    /// Requests (by index) waiting for room.
+    queue: AdmissionQueue<usize>,
+    /// An `Ev::Admit` for this gateway is on the heap.
+    look_pending: bool,
 }
 
 struct Sim<'a> {
@@ -213,6 +278,9 @@ struct Sim<'a> {
     hit: Vec<u64>,
     ttft: Vec<f64>,
     done: Vec<f64>,
+    shed: Vec<bool>,
+    from_queue: Vec<bool>,
+    queue_peak_bytes: usize,
 }
 
 impl Sim<'_> {
@@ -293,7 +361,7 @@ impl Sim<'_> {
         }
     }
 
-    fn route(&mut self, i: usize, t: f64) -> usize {
+    fn route(&mut self, i: usize, t: f64) -> Result<usize, RouteError> {
         let r = &self.reqs[i];
         let g = i % self.gws.len();
         self.gw_of[i] = g;
@@ -324,15 +392,93 @@ impl Sim<'_> {
         };
         let now = self.at(t);
         let gw = &mut self.gws[g];
-        let k = match sidecar::route_with(&gw.sc, &req, now, gw.selector.as_mut()) {
+        let gate = self.o.admission.as_ref().map(|a| &a.headroom);
+        let routed = match gate {
+            Some(h) => sidecar::route_gated_with(&gw.sc, &req, now, gw.selector.as_mut(), h),
+            None => sidecar::route_with(&gw.sc, &req, now, gw.selector.as_mut()),
+        };
+        let k = match routed {
             Ok(a) => {
                 self.decision[i] = a.decision.unwrap_or_default();
-                self.pod_of_id.get(&a.pod).copied().unwrap_or(0)
+                Ok(self.pod_of_id.get(&a.pod).copied().unwrap_or(0))
             }
-            Err(_) => 0,
+            Err(RouteError::Saturated) => Err(RouteError::Saturated),
+            Err(_) => Ok(0),
         };
         self.forward_deltas(g, t);
         k
+    }
+
+    /// Send request `i` to pod `k`.
+    fn dispatch(&mut self, i: usize, k: usize, now: f64) {
+        self.pod_of[i] = k;
+        self.pods[k].assigned += 1;
+        self.pods[k].waiting.push_back(i);
+        self.try_start(k, now);
+        self.report_load(k, now);
+    }
+
+    /// A request the gate refused waits in its gateway's queue (behind any of its band
+    /// or above already waiting: a newcomer does not overtake them).
+    fn hold(&mut self, i: usize, now: f64) {
+        let Some(a) = &self.o.admission else { return };
+        let g = i % self.gws.len();
+        let (priority, tenant) = a.class(i);
+        let arrival = Arrival {
+            priority,
+            tenant: tenant.to_string().into(),
+            bytes: 64 + self.reqs[i].chain.len() * 8,
+            ttl: a.ttl(priority),
+            item: i,
+        };
+        let at = self.at(now);
+        match self.gws[g].queue.push(arrival, at) {
+            Ok(q) => {
+                for e in q.displaced {
+                    self.shed[e.item] = true;
+                }
+                self.queue_peak_bytes = self.queue_peak_bytes.max(self.gws[g].queue.bytes());
+            }
+            Err(_) => self.shed[i] = true,
+        }
+        self.schedule_look(g, now);
+    }
+
+    /// Look at gateway `g`'s queue again at its next deadline or in 50 ms, whichever
+    /// comes first (the ledger's prefill horizons free room as time passes).
+    fn schedule_look(&mut self, g: usize, now: f64) {
+        if self.gws[g].look_pending || self.gws[g].queue.is_empty() {
+            return;
+        }
+        let mut at = now + 0.05;
+        if let Some(d) = self.gws[g].queue.next_deadline() {
+            let d = d.saturating_duration_since(self.origin).as_secs_f64();
+            at = at.min(d.max(now));
+        }
+        self.gws[g].look_pending = true;
+        self.push(at, Ev::Admit(g));
+    }
+
+    /// Shed what expired, then route the queue's head again while there is room.
+    fn admit(&mut self, g: usize, now: f64) {
+        if self.o.admission.is_none() {
+            return;
+        }
+        let at = self.at(now);
+        for e in self.gws[g].queue.expire(at) {
+            self.shed[e.item] = true;
+        }
+        while let Some(i) = self.gws[g].queue.front().map(|e| e.item) {
+            match self.route(i, now) {
+                Ok(k) => {
+                    self.gws[g].queue.pop();
+                    self.from_queue[i] = true;
+                    self.dispatch(i, k, now);
+                }
+                Err(_) => break,
+            }
+        }
+        self.schedule_look(g, now);
     }
 
     fn try_start(&mut self, k: usize, now: f64) {
@@ -379,12 +525,24 @@ impl Sim<'_> {
             match ev {
                 Ev::Arrive(i) => {
                     self.arrive[i] = now;
-                    let k = self.route(i, now);
-                    self.pod_of[i] = k;
-                    self.pods[k].assigned += 1;
-                    self.pods[k].waiting.push_back(i);
-                    self.try_start(k, now);
-                    self.report_load(k, now);
+                    let g = i % self.gws.len();
+                    let waiting_above = match (&self.o.admission, self.gws[g].queue.top_priority())
+                    {
+                        (Some(a), Some(top)) => top >= a.class(i).0,
+                        _ => false,
+                    };
+                    if waiting_above {
+                        self.hold(i, now);
+                        continue;
+                    }
+                    match self.route(i, now) {
+                        Ok(k) => self.dispatch(i, k, now),
+                        Err(_) => self.hold(i, now),
+                    }
+                }
+                Ev::Admit(g) => {
+                    self.gws[g].look_pending = false;
+                    self.admit(g, now);
                 }
                 Ev::PrefillDone(k, i) => {
                     self.ttft[i] = now - self.arrive[i];
@@ -417,6 +575,7 @@ impl Sim<'_> {
                     self.forward_deltas(g, now);
                     self.try_start(k, now);
                     self.report_load(k, now);
+                    self.admit(g, now);
                 }
                 Ev::Visible(id) => {
                     let (k, stored, removed) = std::mem::take(&mut self.pending_events[id]);
@@ -493,6 +652,14 @@ pub fn simulate_labelled(reqs: &[Request], o: &SimOpts, p: Policy, workload: &st
                 recovery: Recovery::default(),
                 outbox: ch.outbox,
                 selector: p.selector(o.seed.wrapping_add(g as u64), o.dp_ranks),
+                queue: AdmissionQueue::new(o.admission.as_ref().map_or(
+                    Limits {
+                        max_requests: 0,
+                        max_bytes: 0,
+                    },
+                    |a| a.limits,
+                )),
+                look_pending: false,
             }
         })
         .collect();
@@ -533,16 +700,24 @@ pub fn simulate_labelled(reqs: &[Request], o: &SimOpts, p: Policy, workload: &st
         hit: vec![0; n],
         ttft: vec![0.0; n],
         done: vec![0.0; n],
+        shed: vec![false; n],
+        from_queue: vec![false; n],
+        queue_peak_bytes: 0,
     };
     s.run();
-    let total_blocks: u64 = reqs.iter().map(|r| r.chain.len() as u64).sum();
-    let hits: u64 = s.hit.iter().sum();
-    let mut ttft = Samples(s.ttft.iter().map(|t| (t * 1e6) as u64).collect());
+    let classes =
+        s.o.admission
+            .as_ref()
+            .map(|a| class_figures(&s, a))
+            .unwrap_or_default();
+    // Shed requests never ran: they count in no latency or hit figure.
+    let ran: Vec<usize> = (0..n).filter(|&i| !s.shed[i]).collect();
+    let total_blocks: u64 = ran.iter().map(|&i| reqs[i].chain.len() as u64).sum();
+    let hits: u64 = ran.iter().map(|&i| s.hit[i]).sum();
+    let mut ttft = Samples(ran.iter().map(|&i| (s.ttft[i] * 1e6) as u64).collect());
     let mut e2e = Samples(
-        s.done
-            .iter()
-            .zip(&s.arrive)
-            .map(|(d, a)| ((d - a) * 1e6) as u64)
+        ran.iter()
+            .map(|&i| ((s.done[i] - s.arrive[i]) * 1e6) as u64)
             .collect(),
     );
     let span = s.done.iter().copied().fold(0.0, f64::max)
@@ -559,7 +734,7 @@ pub fn simulate_labelled(reqs: &[Request], o: &SimOpts, p: Policy, workload: &st
         ttft_p99_ms: ttft.pct(99.0) as f64 / 1e3,
         e2e_mean_ms: e2e.mean() / 1e3,
         e2e_p99_ms: e2e.pct(99.0) as f64 / 1e3,
-        throughput_rps: n as f64 / span.max(1e-9),
+        throughput_rps: ran.len() as f64 / span.max(1e-9),
         max_mean_load: loads.iter().copied().fold(0.0, f64::max) / mean.max(1e-9),
         decisions: s
             .gws
@@ -572,7 +747,48 @@ pub fn simulate_labelled(reqs: &[Request], o: &SimOpts, p: Policy, workload: &st
             .iter()
             .map(|g| g.sc.metrics.mispredictions.get())
             .sum(),
+        shed: s.shed.iter().filter(|&&x| x).count() as u64,
+        queued: s.from_queue.iter().filter(|&&x| x).count() as u64,
+        queue_peak_bytes: s.queue_peak_bytes,
+        classes,
     }
+}
+
+/// Figures per (priority, tenant) class, in class order.
+fn class_figures(s: &Sim<'_>, a: &SimAdmission) -> Vec<ClassFigures> {
+    let mut by: std::collections::BTreeMap<(i32, u32), (ClassFigures, Vec<u64>)> =
+        Default::default();
+    for i in 0..s.reqs.len() {
+        let (priority, tenant) = a.class(i);
+        let (c, ttft) = by.entry((priority, tenant)).or_insert_with(|| {
+            (
+                ClassFigures {
+                    priority,
+                    tenant,
+                    ..Default::default()
+                },
+                Vec::new(),
+            )
+        });
+        c.requests += 1;
+        if s.shed[i] {
+            c.shed += 1;
+        } else {
+            c.served += 1;
+            ttft.push((s.ttft[i] * 1e6) as u64);
+        }
+        if s.from_queue[i] {
+            c.dispatched_saturated += 1;
+        }
+    }
+    by.into_values()
+        .map(|(mut c, t)| {
+            let mut t = Samples(t);
+            c.ttft_mean_ms = t.mean() / 1e3;
+            c.ttft_p99_ms = t.pct(99.0) as f64 / 1e3;
+            c
+        })
+        .collect()
 }
 
 /// The simulator's default pod: 10k prefill tokens/s, 10 ms decode steps, batch 16.

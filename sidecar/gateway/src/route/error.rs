@@ -25,6 +25,9 @@ pub enum RouteError {
     /// The caller's deadline passed before the decision could be answered: nothing
     /// was committed (the filter has failed open by then and would never report it).
     DeadlinePassed,
+    /// Admission is gated and no pod has room for the request now (see
+    /// [`crate::admission::room`]): it should wait in the router's queue.
+    Saturated,
 }
 
 impl RouteError {
@@ -35,14 +38,16 @@ impl RouteError {
             RouteError::NoPod { .. } => "no_pod",
             RouteError::OutsideSubset => "outside_subset",
             RouteError::DeadlinePassed => "deadline",
+            RouteError::Saturated => "saturated",
         }
     }
 
     /// The HTTP status: the request is wrong (400), nothing can serve it (503), or its
-    /// answer would come too late (504).
+    /// answer would come too late (504), or the fleet has no room for it now (429).
     pub fn status(&self) -> u16 {
         match self {
             RouteError::NoPod { .. } | RouteError::OutsideSubset => 503,
+            RouteError::Saturated => 429,
             RouteError::DeadlinePassed => 504,
             _ => 400,
         }
@@ -69,6 +74,9 @@ impl std::fmt::Display for RouteError {
             }
             RouteError::DeadlinePassed => {
                 f.write_str("the caller's deadline passed before a decision; none was committed")
+            }
+            RouteError::Saturated => {
+                f.write_str("no pod has room for the request now; it should wait its turn")
             }
             RouteError::NoPod { model, adapter } if adapter.is_empty() => {
                 write!(f, "no live pod serves model {model:?}")

@@ -90,7 +90,7 @@ pub fn route_within(
     let r = past(deadline).and_then(|()| {
         let tokenized = precise::precise(sc, req);
         let req = tokenized.as_ref().unwrap_or(req);
-        let r = route_inner(sc, req, t0, &mut PolicySelector, deadline, subset);
+        let r = route_inner(sc, req, t0, &mut PolicySelector, deadline, subset, None);
         // The decision is recorded as routed: in token mode once the sidecar tokenized.
         if let Ok(resp) = &r {
             if !req.dry_run {
@@ -169,7 +169,21 @@ pub fn route_with(
     now: Instant,
     sel: &mut dyn Selector,
 ) -> Result<RouteResponse, RouteError> {
-    route_inner(sc, req, now, sel, None, None)
+    route_inner(sc, req, now, sel, None, None, None)
+}
+
+/// [`route_with`] through an admission gate: when no candidate has the `gate`'s room
+/// for the request ([`crate::admission::room`]) nothing is chosen or committed and the
+/// answer is [`RouteError::Saturated`], for the caller to hold the request in its
+/// queue and route it again (scored as things are then) when room appears.
+pub fn route_gated_with(
+    sc: &Sidecar,
+    req: &RouteRequest,
+    now: Instant,
+    sel: &mut dyn Selector,
+    gate: &crate::admission::Headroom,
+) -> Result<RouteResponse, RouteError> {
+    route_inner(sc, req, now, sel, None, None, Some(gate))
 }
 
 fn route_inner(
@@ -179,6 +193,7 @@ fn route_inner(
     sel: &mut dyn Selector,
     deadline: Option<SystemTime>,
     subset: Option<&[String]>,
+    gate: Option<&crate::admission::Headroom>,
 ) -> Result<RouteResponse, RouteError> {
     let cfg = sc.config();
     validate(&cfg, req)?;
@@ -198,11 +213,27 @@ fn route_inner(
             None => r.no_pod(),
         });
     }
-    tier_hints(&r.facts, req, &mut cands);
     let main_ask = Ask {
         load_only: disaggregated,
         ..r.ask
     };
+    if let Some(h) = gate {
+        // Only pods with room compete: one sent past its room would queue the request
+        // inside the engine, where no priority applies.
+        let all: Vec<Candidate> = cands.iter().map(|c| c.candidate.clone()).collect();
+        let room = crate::admission::room(&cfg, h, &main_ask, &all);
+        if room.is_empty() {
+            return Err(RouteError::Saturated);
+        }
+        let mut keep = room.into_iter().peekable();
+        let mut at = 0;
+        cands.retain(|_| {
+            let k = keep.next_if_eq(&at).is_some();
+            at += 1;
+            k
+        });
+    }
+    tier_hints(&r.facts, req, &mut cands);
     let only: Vec<Candidate> = cands.iter().map(|c| c.candidate.clone()).collect();
     let ranking = sel
         .select(&cfg, &main_ask, req, &only)
