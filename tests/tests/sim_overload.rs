@@ -6,15 +6,17 @@
 //! band's excess is shed after its TTL instead of growing every line without bound.
 //!
 //! The figures are printed; the asserts hold today's levels as a guard. Still short of
-//! the targets (docs/policy.md, "Admission"): high-band p99 is ~2.8x its
-//! unloaded value (target 1.2x) and the hit rate falls below the queue-less run's,
-//! since a request that leaves the queue may only go where there is room.
+//! the target (docs/policy.md, "Admission"): high-band p99 is ~4.8x its value
+//! with the high band alone (target 1.2x), the price of waiting for room where a prefix
+//! is cached rather than recomputing it elsewhere.
 
 use kvroute_sidecar::admission::{Headroom, Limits};
 use kvroute_tests::sim::{self, ClassFigures, Policy, SimAdmission, SimOpts};
 
 const PODS: usize = 4;
 const RATE: f64 = 14.0;
+/// A request waits for room where its prefix is rather than lose more than half of it.
+const CACHE_LOSS: f64 = 0.5;
 
 fn admission(max_inflight: u32) -> SimAdmission {
     SimAdmission {
@@ -22,6 +24,7 @@ fn admission(max_inflight: u32) -> SimAdmission {
             max_backlog_s: 1.0,
             max_waiting: 0,
             max_inflight,
+            cache_loss: CACHE_LOSS,
         },
         limits: Limits {
             max_requests: 4096,
@@ -55,6 +58,7 @@ fn the_high_band_overtakes_and_the_low_band_is_shed_not_lost() {
                 max_backlog_s: f64::MAX,
                 max_waiting: 0,
                 max_inflight: 0,
+                cache_loss: 1.0,
             },
             ..admission(0)
         }),
@@ -97,7 +101,7 @@ fn the_high_band_overtakes_and_the_low_band_is_shed_not_lost() {
         let (h, o) = (class(&gated, 1, t), class(&open, 1, t));
         assert_eq!(h.shed, 0, "the high band is never shed: {h:?}");
         assert!(
-            h.ttft_p99_ms <= 0.05 * o.ttft_p99_ms && h.ttft_p99_ms <= 3.5 * floor.ttft_p99_ms,
+            h.ttft_p99_ms <= 0.05 * o.ttft_p99_ms && h.ttft_p99_ms <= 6.0 * floor.ttft_p99_ms,
             "high band p99 {:.0} ms (no queue {:.0}, alone {:.0})",
             h.ttft_p99_ms,
             o.ttft_p99_ms,
@@ -111,4 +115,11 @@ fn the_high_band_overtakes_and_the_low_band_is_shed_not_lost() {
         "light tenant {light:?} vs heavy {heavy:?}"
     );
     assert!(gated.queue_peak_bytes <= limits.max_bytes);
+    // Waiting for the cache keeps it: more hits than sending everything at once.
+    assert!(
+        gated.hit_rate >= open.hit_rate,
+        "hit {:.3} under the queue vs {:.3} without",
+        gated.hit_rate,
+        open.hit_rate
+    );
 }

@@ -57,6 +57,9 @@ fn pod_id(k: usize, dp_ranks: usize) -> String {
     }
 }
 
+/// Requests of an admission queue tried per look (past heads waiting for their cache).
+const LOOK_AHEAD: usize = 16;
+
 /// The model name the simulated pods serve.
 const MODEL: &str = "sim";
 
@@ -468,15 +471,21 @@ impl Sim<'_> {
         for e in self.gws[g].queue.expire(at) {
             self.shed[e.item] = true;
         }
-        while let Some(i) = self.gws[g].queue.front().map(|e| e.item) {
-            match self.route(i, now) {
-                Ok(k) => {
-                    self.gws[g].queue.pop();
+        // The first requests in dispatch order, each routed again; one that has no room
+        // (where its cache is) stays and the next one is tried.
+        'look: loop {
+            for ticket in self.gws[g].queue.order(LOOK_AHEAD) {
+                let Some(i) = self.gws[g].queue.get(ticket).map(|e| e.item) else {
+                    continue;
+                };
+                if let Ok(k) = self.route(i, now) {
+                    self.gws[g].queue.take(ticket);
                     self.from_queue[i] = true;
                     self.dispatch(i, k, now);
+                    continue 'look;
                 }
-                Err(_) => break,
             }
+            break;
         }
         self.schedule_look(g, now);
     }

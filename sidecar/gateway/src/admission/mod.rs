@@ -30,16 +30,22 @@ pub struct Headroom {
     /// Requests a pod may have in flight, this one included (its batch size: a request
     /// sent beyond it waits inside the engine, where no priority applies; 0: not checked).
     pub max_inflight: u32,
+    /// Wait rather than leave the cache: when the pods with room hold fewer of the
+    /// prompt's blocks than the best pod by more than this share of the prompt, none
+    /// is offered (the request waits for room where its prefix is; 1: never wait for it).
+    pub cache_loss: f64,
 }
 
 /// The candidates (their positions, ascending) that stay within `h` after taking this
 /// request — its own uncached prefill counted where it would run, so a pod that holds
 /// the prompt has room long after a cold one has none. Empty: the model is saturated
-/// for this request.
+/// for this request, or the pods with room would lose more of its cached prefix than
+/// `h.cache_loss` allows (it waits for room where the prefix is: recomputing it
+/// elsewhere spends the capacity a saturated fleet lacks).
 pub fn room(cfg: &PolicyConfig, h: &Headroom, ask: &Ask, cands: &[Candidate]) -> Vec<usize> {
     let limit = h.max_backlog_s * cfg.prefill_tokens_per_s;
     let bs = ask.block_size.max(1) as f64;
-    cands
+    let ok: Vec<usize> = cands
         .iter()
         .enumerate()
         .filter(|(_, c)| h.max_waiting == 0 || c.load.queued < h.max_waiting)
@@ -49,7 +55,14 @@ pub fn room(cfg: &PolicyConfig, h: &Headroom, ask: &Ask, cands: &[Candidate]) ->
             c.load.pending_prefill_tokens as f64 + uncached <= limit
         })
         .map(|(i, _)| i)
-        .collect()
+        .collect();
+    let hits = |i: usize| policy::hits(cfg, &cands[i]);
+    let best = (0..cands.len()).map(hits).fold(0.0, f64::max);
+    let best_with_room = ok.iter().map(|&i| hits(i)).fold(0.0, f64::max);
+    if best - best_with_room > h.cache_loss * ask.prompt_blocks as f64 {
+        return Vec::new();
+    }
+    ok
 }
 
 #[cfg(test)]
@@ -96,6 +109,7 @@ mod tests {
             max_backlog_s: 4.0,
             max_waiting: 0,
             max_inflight: 0,
+            cache_loss: 1.0,
         };
         // 100 blocks = 1600 tokens; both pods have 3000 tokens queued (3 s of 4).
         let cands = [cand(0, 0, 3000, 0), cand(1, 95, 3000, 0)];
@@ -117,12 +131,43 @@ mod tests {
     }
 
     #[test]
+    fn a_prompt_waits_for_its_cache_rather_than_lose_too_much_of_it() {
+        let cfg = PolicyConfig::default();
+        let h = Headroom {
+            max_backlog_s: 100.0,
+            max_waiting: 0,
+            max_inflight: 4,
+            cache_loss: 0.5,
+        };
+        let mut home = cand(0, 80, 0, 0);
+        home.load.inflight = 4;
+        let mut cold = cand(1, 0, 0, 0);
+        cold.load.inflight = 1;
+        // The home is full and the only pod with room holds none of the 100 blocks.
+        assert!(room(&cfg, &h, &ask(100), &[home.clone(), cold.clone()]).is_empty());
+        // Losing 30 of them is within the half it may lose.
+        cold.matched = 50;
+        assert_eq!(
+            room(&cfg, &h, &ask(100), &[home.clone(), cold.clone()]),
+            [1]
+        );
+        // Willing to lose all of it: the cold pod is offered.
+        cold.matched = 0;
+        let any = Headroom {
+            cache_loss: 1.0,
+            ..h
+        };
+        assert_eq!(room(&cfg, &any, &ask(100), &[home, cold]), [1]);
+    }
+
+    #[test]
     fn engines_reporting_a_full_waiting_line_have_no_room() {
         let cfg = PolicyConfig::default();
         let h = Headroom {
             max_backlog_s: 100.0,
             max_waiting: 4,
             max_inflight: 0,
+            cache_loss: 1.0,
         };
         let cands = [cand(0, 0, 0, 4), cand(1, 0, 0, 9)];
         assert!(room(&cfg, &h, &ask(1), &cands).is_empty());

@@ -212,6 +212,17 @@ impl<T> AdmissionQueue<T> {
         ticket
     }
 
+    /// A held request by its ticket.
+    pub fn get(&self, ticket: Ticket) -> Option<&Entry<T>> {
+        let (priority, tenant) = self.where_is.get(&ticket)?;
+        self.bands
+            .get(&Reverse(*priority))?
+            .tenants
+            .get(tenant)?
+            .iter()
+            .find(|e| e.ticket == ticket)
+    }
+
     /// The request that leaves next: the highest band's, from the tenant whose turn it is.
     pub fn front(&self) -> Option<&Entry<T>> {
         let band = self.bands.values().next()?;
@@ -236,6 +247,47 @@ impl<T> AdmissionQueue<T> {
         }
         self.bytes -= e.bytes;
         self.where_is.remove(&e.ticket);
+        Some(e)
+    }
+
+    /// The next `limit` tickets in the order [`Self::pop`] would give them: the highest
+    /// band first, its tenants in turn. A dispatcher whose head cannot leave yet (its
+    /// cache's pod has no room) looks further with it instead of blocking the rest.
+    pub fn order(&self, limit: usize) -> Vec<Ticket> {
+        let mut out = Vec::with_capacity(limit.min(self.len()));
+        for band in self.bands.values() {
+            let mut fifos: Vec<_> = band
+                .turn
+                .iter()
+                .filter_map(|t| band.tenants.get(t).map(|f| f.iter()))
+                .collect();
+            while out.len() < limit && !fifos.is_empty() {
+                fifos.retain_mut(|f| match f.next() {
+                    Some(e) if out.len() < limit => {
+                        out.push(e.ticket);
+                        true
+                    }
+                    _ => false,
+                });
+            }
+            if out.len() >= limit {
+                break;
+            }
+        }
+        out
+    }
+
+    /// Take a request out to dispatch it: its tenant's turn is used (it goes to the back
+    /// of its band's turn), as with [`Self::pop`].
+    pub fn take(&mut self, ticket: Ticket) -> Option<Entry<T>> {
+        let e = self.cancel(ticket)?;
+        if let Some(band) = self.bands.get_mut(&Reverse(e.priority)) {
+            if let Some(at) = band.turn.iter().position(|t| *t == e.tenant) {
+                if let Some(t) = band.turn.remove(at) {
+                    band.turn.push_back(t);
+                }
+            }
+        }
         Some(e)
     }
 
@@ -334,6 +386,41 @@ mod tests {
         assert!(q.is_empty());
         assert_eq!(q.bytes(), 0);
         assert!(q.depths().is_empty());
+    }
+
+    #[test]
+    fn order_is_what_pop_would_give_and_take_uses_the_turn() {
+        let now = Instant::now();
+        let mut q = q(100, 1 << 20);
+        for (p, t, i) in [
+            (0, "a", 1),
+            (0, "a", 2),
+            (0, "b", 3),
+            (1, "c", 4),
+            (0, "a", 5),
+        ] {
+            q.push(arrival(p, t, 1, i), now).expect("queued");
+        }
+        let order = q.order(10);
+        let items: Vec<u32> = {
+            let mut copy = super::AdmissionQueue::new(q.limits());
+            for (p, t, i) in [
+                (0, "a", 1),
+                (0, "a", 2),
+                (0, "b", 3),
+                (1, "c", 4),
+                (0, "a", 5),
+            ] {
+                copy.push(arrival(p, t, 1, i), now).expect("queued");
+            }
+            drain(&mut copy)
+        };
+        assert_eq!(items, [4, 1, 3, 2, 5]);
+        assert_eq!(order, [4, 1, 3, 2, 5], "tickets equal items here");
+        assert_eq!(q.order(2), [4, 1]);
+        // Taking tenant a's first request moves a behind b.
+        assert_eq!(q.take(1).map(|e| e.item), Some(1));
+        assert_eq!(drain(&mut q), [4, 3, 2, 5]);
     }
 
     #[test]
