@@ -5,10 +5,10 @@
 //! with it the high band overtakes, the light tenant takes its turns, and the low
 //! band's excess is shed after its TTL instead of growing every line without bound.
 //!
-//! The figures are printed; the asserts hold today's levels as a guard. Still short of
-//! the target (docs/policy.md, "Admission"): high-band p99 is ~4.8x its value
-//! with the high band alone (target 1.2x), the price of waiting for room where a prefix
-//! is cached rather than recomputing it elsewhere.
+//! The targets for this run, asserted: high-band p99 TTFT within 1.2x of its value
+//! with the high band alone, every low request served or shed after its TTL, the light
+//! tenant shed no more often than the heavy one, the queue within its bounds, and a hit
+//! rate at least the queue-less run's. Figures in docs/policy.md ("Admission").
 
 use kvroute_sidecar::admission::{Headroom, Limits};
 use kvroute_tests::sim::{self, ClassFigures, Policy, SimAdmission, SimOpts};
@@ -17,6 +17,8 @@ const PODS: usize = 4;
 const RATE: f64 = 14.0;
 /// A request waits for room where its prefix is rather than lose more than half of it.
 const CACHE_LOSS: f64 = 0.5;
+/// Batch slots per pod kept for the high band.
+const RESERVE: u32 = 4;
 
 fn admission(max_inflight: u32) -> SimAdmission {
     SimAdmission {
@@ -25,6 +27,7 @@ fn admission(max_inflight: u32) -> SimAdmission {
             max_waiting: 0,
             max_inflight,
             cache_loss: CACHE_LOSS,
+            reserve_inflight: RESERVE,
         },
         limits: Limits {
             max_requests: 4096,
@@ -46,8 +49,17 @@ fn class(r: &sim::SimResult, priority: i32, tenant: u32) -> &ClassFigures {
 
 #[test]
 fn the_high_band_overtakes_and_the_low_band_is_shed_not_lost() {
-    let o = SimOpts::new(PODS, 16384, 16);
-    let reqs = sim::generated("sglang-shared-prefix", 16, RATE, 1).expect("workload");
+    for seed in 1..=3 {
+        overload(seed);
+    }
+}
+
+fn overload(seed: u64) {
+    let o = SimOpts {
+        seed,
+        ..SimOpts::new(PODS, 16384, 16)
+    };
+    let reqs = sim::generated("sglang-shared-prefix", 16, RATE, seed).expect("workload");
     // The high band's traffic alone: its floor.
     let high: Vec<_> = reqs.iter().step_by(4).cloned().collect();
     let floor = sim::simulate(&high, &o, Policy::Kvroute);
@@ -59,6 +71,7 @@ fn the_high_band_overtakes_and_the_low_band_is_shed_not_lost() {
                 max_waiting: 0,
                 max_inflight: 0,
                 cache_loss: 1.0,
+                reserve_inflight: 0,
             },
             ..admission(0)
         }),
@@ -76,7 +89,7 @@ fn the_high_band_overtakes_and_the_low_band_is_shed_not_lost() {
         Policy::Kvroute,
     );
     eprintln!(
-        "high band alone: p99 {:.0} ms | no queue: hit {:.3}, high p99 {:.0} ms | queue: hit {:.3}, high p99 {:.0} ms, {} queued, {} shed, peak {} bytes",
+        "seed {seed}: high band alone: p99 {:.0} ms | no queue: hit {:.3}, high p99 {:.0} ms | queue: hit {:.3}, high p99 {:.0} ms, {} queued, {} shed, peak {} bytes",
         floor.ttft_p99_ms,
         open.hit_rate,
         class(&open, 1, 0).ttft_p99_ms,
@@ -101,7 +114,7 @@ fn the_high_band_overtakes_and_the_low_band_is_shed_not_lost() {
         let (h, o) = (class(&gated, 1, t), class(&open, 1, t));
         assert_eq!(h.shed, 0, "the high band is never shed: {h:?}");
         assert!(
-            h.ttft_p99_ms <= 0.05 * o.ttft_p99_ms && h.ttft_p99_ms <= 6.0 * floor.ttft_p99_ms,
+            h.ttft_p99_ms <= 1.2 * floor.ttft_p99_ms,
             "high band p99 {:.0} ms (no queue {:.0}, alone {:.0})",
             h.ttft_p99_ms,
             o.ttft_p99_ms,

@@ -117,6 +117,12 @@ impl SimAdmission {
         (pick(&self.priority), t)
     }
 
+    /// The headroom a request of `priority` may use (the highest band's reserve).
+    fn headroom_for(&self, priority: i32) -> Headroom {
+        let top = self.priority.iter().copied().max().unwrap_or(0);
+        self.headroom.for_band(priority >= top)
+    }
+
     fn ttl(&self, priority: i32) -> Duration {
         let k = (priority.max(0) as usize).min(self.ttl_s.len().saturating_sub(1));
         Duration::from_secs_f64(self.ttl_s.get(k).copied().unwrap_or(30.0).max(0.0))
@@ -395,8 +401,12 @@ impl Sim<'_> {
         };
         let now = self.at(t);
         let gw = &mut self.gws[g];
-        let gate = self.o.admission.as_ref().map(|a| &a.headroom);
-        let routed = match gate {
+        let gate = self
+            .o
+            .admission
+            .as_ref()
+            .map(|a| a.headroom_for(a.class(i).0));
+        let routed = match &gate {
             Some(h) => sidecar::route_gated_with(&gw.sc, &req, now, gw.selector.as_mut(), h),
             None => sidecar::route_with(&gw.sc, &req, now, gw.selector.as_mut()),
         };

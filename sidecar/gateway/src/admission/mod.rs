@@ -34,6 +34,22 @@ pub struct Headroom {
     /// prompt's blocks than the best pod by more than this share of the prompt, none
     /// is offered (the request waits for room where its prefix is; 1: never wait for it).
     pub cache_loss: f64,
+    /// In-flight slots per pod kept for the highest band: a request below it may use
+    /// `max_inflight - reserve_inflight` (at least 1). Without a reserve a high request
+    /// finds the pod that holds its prefix full of low ones and waits for a decode to
+    /// end there.
+    pub reserve_inflight: u32,
+}
+
+impl Headroom {
+    /// The headroom of a request in the highest band (`top`) or below it.
+    pub fn for_band(&self, top: bool) -> Headroom {
+        let mut h = *self;
+        if !top && h.max_inflight > 0 {
+            h.max_inflight = h.max_inflight.saturating_sub(h.reserve_inflight).max(1);
+        }
+        h
+    }
 }
 
 /// The candidates (their positions, ascending) that stay within `h` after taking this
@@ -110,6 +126,7 @@ mod tests {
             max_waiting: 0,
             max_inflight: 0,
             cache_loss: 1.0,
+            reserve_inflight: 0,
         };
         // 100 blocks = 1600 tokens; both pods have 3000 tokens queued (3 s of 4).
         let cands = [cand(0, 0, 3000, 0), cand(1, 95, 3000, 0)];
@@ -138,6 +155,7 @@ mod tests {
             max_waiting: 0,
             max_inflight: 4,
             cache_loss: 0.5,
+            reserve_inflight: 0,
         };
         let mut home = cand(0, 80, 0, 0);
         home.load.inflight = 4;
@@ -161,6 +179,30 @@ mod tests {
     }
 
     #[test]
+    fn slots_kept_for_the_top_band() {
+        let h = Headroom {
+            max_backlog_s: 1.0,
+            max_waiting: 0,
+            max_inflight: 16,
+            cache_loss: 1.0,
+            reserve_inflight: 2,
+        };
+        assert_eq!(h.for_band(true).max_inflight, 16);
+        assert_eq!(h.for_band(false).max_inflight, 14);
+        let tiny = Headroom {
+            max_inflight: 2,
+            reserve_inflight: 5,
+            ..h
+        };
+        assert_eq!(tiny.for_band(false).max_inflight, 1, "never zero");
+        let unchecked = Headroom {
+            max_inflight: 0,
+            ..h
+        };
+        assert_eq!(unchecked.for_band(false).max_inflight, 0);
+    }
+
+    #[test]
     fn engines_reporting_a_full_waiting_line_have_no_room() {
         let cfg = PolicyConfig::default();
         let h = Headroom {
@@ -168,6 +210,7 @@ mod tests {
             max_waiting: 4,
             max_inflight: 0,
             cache_loss: 1.0,
+            reserve_inflight: 0,
         };
         let cands = [cand(0, 0, 0, 4), cand(1, 0, 0, 9)];
         assert!(room(&cfg, &h, &ask(1), &cands).is_empty());
