@@ -68,7 +68,10 @@ pub fn room(cfg: &PolicyConfig, h: &Headroom, ask: &Ask, cands: &[Candidate]) ->
         .filter(|(_, c)| h.max_inflight == 0 || c.load.inflight < h.max_inflight)
         .filter(|(_, c)| {
             let uncached = (ask.prompt_blocks as f64 - policy::hits(cfg, c)).max(0.0) * bs;
-            c.load.pending_prefill_tokens as f64 + uncached <= limit
+            // An idle pod takes any prompt: one larger than the whole backlog bound
+            // would otherwise never leave the queue.
+            let pending = c.load.pending_prefill_tokens as f64;
+            pending == 0.0 || pending + uncached <= limit
         })
         .map(|(i, _)| i)
         .collect();
@@ -176,6 +179,24 @@ mod tests {
             ..h
         };
         assert_eq!(room(&cfg, &any, &ask(100), &[home, cold]), [1]);
+    }
+
+    #[test]
+    fn a_prompt_larger_than_the_backlog_bound_fits_an_idle_pod() {
+        let cfg = PolicyConfig {
+            prefill_tokens_per_s: 1000.0,
+            ..PolicyConfig::default()
+        };
+        let h = Headroom {
+            max_backlog_s: 1.0,
+            max_waiting: 0,
+            max_inflight: 0,
+            cache_loss: 1.0,
+            reserve_inflight: 0,
+        };
+        // 10,000 tokens is 10 s of prefill, ten times the bound.
+        let cands = [cand(0, 0, 1, 0), cand(1, 0, 0, 0)];
+        assert_eq!(room(&cfg, &h, &ask(625), &cands), [1]);
     }
 
     #[test]
