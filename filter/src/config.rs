@@ -46,6 +46,8 @@ pub struct FilterConfig {
     pub sidecar_authority: String,
     pub route_path: String,
     pub report_path: String,
+    /// Where the decision of a request the sidecar queued is claimed.
+    pub wait_path: String,
     /// Callout timeout: past it the request goes on unsteered.
     pub timeout_ms: u64,
     /// Request paths that are routed (exact match, query string ignored).
@@ -72,6 +74,19 @@ pub struct FilterConfig {
     /// one tenant cannot learn another's prompts from where its requests are steered.
     /// Empty: the body's `cache_salt` is used, as the engine uses it.
     pub tenant_header: String,
+    /// A header holding a request's priority for the sidecar's admission queue (an
+    /// integer; higher goes first while the model is saturated). Empty: not read.
+    pub priority_header: String,
+    /// The Gateway API Inference Extension's objective header: its value names a
+    /// priority in the sidecar's `admission.objectives`. Empty: not read.
+    pub objective_header: String,
+    /// The header naming the tenant whose share of dispatches a request counts against
+    /// while saturated (GIE's fairness id). Without it (and without `tenant_header`,
+    /// which wins), a hash of the request's API key (`authorization` or `x-api-key`).
+    pub fairness_header: String,
+    /// The longest a request the sidecar has queued may wait for its decision, whatever
+    /// the sidecar says (past it the request goes on unsteered).
+    pub max_wait_ms: u64,
     pub models: BTreeMap<String, ModelSettings>,
     pub default_model: ModelSettings,
     pub adapters: AdapterRule,
@@ -97,6 +112,7 @@ impl Default for FilterConfig {
             sidecar_authority: "kvroute-sidecar".into(),
             route_path: "/v1/route".into(),
             report_path: "/v1/report".into(),
+            wait_path: "/v1/route/wait".into(),
             timeout_ms: 25,
             paths: vec![
                 "/v1/completions".into(),
@@ -111,6 +127,10 @@ impl Default for FilterConfig {
             session_header: String::new(),
             session_headers: DEFAULT_SESSION_HEADERS.map(String::from).to_vec(),
             tenant_header: String::new(),
+            priority_header: "x-kvroute-priority".into(),
+            objective_header: "x-gateway-inference-objective".into(),
+            fairness_header: "x-gateway-inference-fairness-id".into(),
+            max_wait_ms: 120_000,
             models: BTreeMap::new(),
             default_model: ModelSettings::default(),
             adapters: AdapterRule::default(),
@@ -160,6 +180,7 @@ impl FilterConfig {
         for (name, p) in [
             ("route_path", &self.route_path),
             ("report_path", &self.report_path),
+            ("wait_path", &self.wait_path),
         ] {
             if !p.starts_with('/') {
                 errs.push(format!("{name} must start with '/' (got {p:?})"));
@@ -169,6 +190,12 @@ impl FilterConfig {
             errs.push(format!(
                 "timeout_ms must be in 1..=10000 (got {})",
                 self.timeout_ms
+            ));
+        }
+        if self.max_wait_ms > 3_600_000 {
+            errs.push(format!(
+                "max_wait_ms must be at most 3600000 (got {})",
+                self.max_wait_ms
             ));
         }
         if self.paths.is_empty() {
@@ -198,6 +225,9 @@ impl FilterConfig {
         for (name, h) in [
             ("session_header", &self.session_header),
             ("tenant_header", &self.tenant_header),
+            ("priority_header", &self.priority_header),
+            ("objective_header", &self.objective_header),
+            ("fairness_header", &self.fairness_header),
         ] {
             if !h.is_empty() && !valid_header_name(h) {
                 errs.push(format!(

@@ -36,6 +36,9 @@ struct Metrics {
     prepare_us: Option<u32>,
     body_bytes: Option<u32>,
     reports: Option<u32>,
+    /// Requests the sidecar queued, and requests it refused (answered 429 here).
+    queued: Option<u32>,
+    refused: Option<u32>,
 }
 
 impl Metrics {
@@ -51,6 +54,8 @@ impl Metrics {
             prepare_us: hostcalls::define_metric(MetricType::Histogram, "kvroute_prepare_us").ok(),
             body_bytes: counter("kvroute_body_bytes"),
             reports: counter("kvroute_reports"),
+            queued: counter("kvroute_queued"),
+            refused: counter("kvroute_refused"),
         }
     }
 
@@ -172,8 +177,11 @@ enum State {
         session: Option<String>,
         /// The configured tenant header's value.
         tenant: Option<String>,
+        /// The admission headers' values.
+        class: ClassHeaders,
     },
-    /// Waiting for the sidecar's answer.
+    /// Waiting for the sidecar's answer: to the route call, or (`waiting`) to the wait
+    /// call of a request the sidecar queued.
     Calling {
         token: u32,
         sent: Option<SystemTime>,
@@ -182,6 +190,9 @@ enum State {
         timings: Timings,
         /// A Responses request: its response's id is learned for later turns.
         responses: bool,
+        /// The request's path (a refusal's body is shaped as its API's errors).
+        path: String,
+        waiting: bool,
     },
     /// The request went on (steered or not); watch the response for `usage`.
     Forwarded {
@@ -195,6 +206,34 @@ enum State {
         start: Option<SystemTime>,
         timings: Timings,
     },
+}
+
+/// The request headers its admission class is read from (see [`logic::FromHeaders`]).
+#[derive(Default)]
+struct ClassHeaders {
+    priority: Option<String>,
+    objective: Option<String>,
+    fairness: Option<String>,
+    api_key: Option<String>,
+}
+
+impl ClassHeaders {
+    fn read(cfg: &FilterConfig) -> ClassHeaders {
+        let named = |h: &str| {
+            if h.is_empty() {
+                None
+            } else {
+                header(MapType::HttpRequestHeaders, h)
+            }
+        };
+        ClassHeaders {
+            priority: named(&cfg.priority_header),
+            objective: named(&cfg.objective_header),
+            fairness: named(&cfg.fairness_header),
+            api_key: header(MapType::HttpRequestHeaders, "authorization")
+                .or_else(|| header(MapType::HttpRequestHeaders, "x-api-key")),
+        }
+    }
 }
 
 /// Where the filter's time went for one request (debug headers; `prepare_us` is also a
@@ -278,6 +317,8 @@ impl Context for Http {
             request_id,
             mut timings,
             responses,
+            path,
+            waiting,
         } = std::mem::replace(&mut self.state, State::PassThrough)
         else {
             return;
@@ -285,16 +326,79 @@ impl Context for Http {
         if token != token_id {
             return;
         }
-        timings.callout_us = micros_since(sent);
+        timings.callout_us += micros_since(sent);
         if let Some(id) = sh.metrics.callout_us {
-            let _ = hostcalls::record_metric(id, timings.callout_us);
+            let _ = hostcalls::record_metric(id, micros_since(sent));
         }
         let status = header(MapType::HttpCallResponseHeaders, ":status");
         let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
             .ok()
             .flatten();
-        let steered = match logic::interpret(status.as_deref(), body.as_deref()) {
-            Ok(steer) => {
+        let steered = match logic::answer(status.as_deref(), body.as_deref()) {
+            // A wait call is answered with a decision or a refusal, never another ticket.
+            Ok(logic::Answer::Queued { .. }) if waiting => {
+                sh.metrics.skip(Skip::BadAnswer);
+                None
+            }
+            Ok(logic::Answer::Queued { ticket, wait_ms }) => {
+                Metrics::inc(sh.metrics.queued, 1);
+                // The sidecar answers before the request's TTL; a little more covers the
+                // trip, and past it a hung sidecar fails the request open.
+                let wait =
+                    Duration::from_millis(wait_ms.saturating_add(1000).min(sh.cfg.max_wait_ms));
+                let headers = vec![
+                    (":method", "POST"),
+                    (":path", sh.cfg.wait_path.as_str()),
+                    (":authority", sh.cfg.sidecar_authority.as_str()),
+                    ("content-type", "application/json"),
+                ];
+                let body = logic::wait_body(&model, ticket);
+                match hostcalls::dispatch_http_call(
+                    &sh.cfg.sidecar_cluster,
+                    headers,
+                    Some(&body),
+                    vec![],
+                    wait,
+                ) {
+                    Ok(token) => {
+                        self.state = State::Calling {
+                            token,
+                            sent: now(),
+                            model,
+                            request_id,
+                            timings,
+                            responses,
+                            path,
+                            waiting: true,
+                        };
+                        return;
+                    }
+                    Err(_) => {
+                        sh.metrics.skip(Skip::DispatchFailed);
+                        None
+                    }
+                }
+            }
+            Ok(logic::Answer::Refused(r)) => {
+                Metrics::inc(sh.metrics.refused, 1);
+                let retry = r.retry_after_s.to_string();
+                let body = logic::refusal_body(&path, &r);
+                let sent = hostcalls::send_http_response(
+                    429,
+                    vec![
+                        ("retry-after", retry.as_str()),
+                        ("content-type", "application/json"),
+                        ("x-kvroute-refused", r.reason.as_str()),
+                    ],
+                    Some(&body),
+                );
+                if sent.is_ok() {
+                    return;
+                }
+                sh.metrics.skip(Skip::DispatchFailed);
+                None
+            }
+            Ok(logic::Answer::Steer(steer)) => {
                 let set = hostcalls::set_map_value(
                     MapType::HttpRequestHeaders,
                     &sh.cfg.steer_header,
@@ -370,6 +474,7 @@ impl HttpContext for Http {
             request_id: header(MapType::HttpRequestHeaders, "x-request-id"),
             session,
             tenant,
+            class: ClassHeaders::read(&sh.cfg),
         };
         Action::Pause
     }
@@ -383,6 +488,7 @@ impl HttpContext for Http {
             request_id,
             session,
             tenant,
+            class,
         } = &self.state
         else {
             return Action::Continue;
@@ -409,6 +515,10 @@ impl HttpContext for Http {
                 request_id: request_id.as_deref(),
                 session: session.as_deref(),
                 tenant: tenant.as_deref(),
+                priority: class.priority.as_deref(),
+                objective: class.objective.as_deref(),
+                fairness: class.fairness.as_deref(),
+                api_key: class.api_key.as_deref(),
             };
             logic::route_request(&sh.cfg, req, &body, h)
         });
@@ -460,6 +570,8 @@ impl HttpContext for Http {
                     request_id: rid,
                     timings,
                     responses: prepared.responses,
+                    path: path.clone(),
+                    waiting: false,
                 };
                 Action::Pause
             }

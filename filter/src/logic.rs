@@ -8,7 +8,8 @@
 
 use kvroute_shared::canon::{self, Endpoint};
 use kvroute_shared::protocol::{
-    CompletionReport, PromptApi, PromptBody, RouteRequest, RouteResponse,
+    Admission, CompletionReport, PromptApi, PromptBody, RouteQueued, RouteRequest, RouteResponse,
+    WaitRequest, MAX_ADMISSION_ID,
 };
 
 use crate::config::{FilterConfig, ModelSettings};
@@ -87,6 +88,40 @@ pub struct FromHeaders<'a> {
     pub session: Option<&'a str>,
     /// The value of the configured `tenant_header` (set by the gateway, never the client).
     pub tenant: Option<&'a str>,
+    /// The configured priority, objective and fairness headers' values, and the API
+    /// key (`authorization`, else `x-api-key`), for the admission class.
+    pub priority: Option<&'a str>,
+    pub objective: Option<&'a str>,
+    pub fairness: Option<&'a str>,
+    pub api_key: Option<&'a str>,
+}
+
+impl FromHeaders<'_> {
+    /// The request's admission class. The tenant is the gateway's authenticated tenant
+    /// if configured, else the fairness header, else the API key's hash (the key itself
+    /// never leaves Envoy), else none.
+    pub fn admission(&self, cfg: &FilterConfig) -> Admission {
+        fn nonempty(v: Option<&str>) -> Option<&str> {
+            v.map(str::trim).filter(|v| !v.is_empty())
+        }
+        let tenant = if cfg.tenant_header.is_empty() {
+            None
+        } else {
+            nonempty(self.tenant)
+        };
+        let tenant = tenant
+            .or(nonempty(self.fairness))
+            .map(|t| cut(t, MAX_ADMISSION_ID).to_owned())
+            .or_else(|| {
+                nonempty(self.api_key)
+                    .map(|k| format!("key-{:016x}", xxhash_rust::xxh3::xxh3_64(k.as_bytes())))
+            });
+        Admission {
+            priority: nonempty(self.priority).and_then(|p| p.parse().ok()),
+            objective: nonempty(self.objective).map(|o| cut(o, MAX_ADMISSION_ID).to_owned()),
+            tenant,
+        }
+    }
 }
 
 /// Session keys and response ids longer than this are cut (the sidecar hashes them; a
@@ -217,6 +252,7 @@ pub fn build_route(
         dry_run: false,
         explain: false,
         prompt_body,
+        admission: h.admission(cfg),
     };
     let responses = matches!(req.prompt, canon::Prompt::Responses { .. });
     Ok((route, responses))
@@ -270,6 +306,97 @@ pub fn interpret(status: Option<&str>, body: Option<&[u8]>) -> Result<Steer, Ski
         matched_blocks,
         decision: resp.decision.unwrap_or_default(),
     })
+}
+
+/// What a route call (or a wait call) answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    /// Steer the request here.
+    Steer(Steer),
+    /// The sidecar holds the request in its admission queue: claim its decision with a
+    /// wait call (`/v1/route/wait`), for up to `wait_ms`.
+    Queued { ticket: u64, wait_ms: u64 },
+    /// The model is saturated and the sidecar will not route the request: answer the
+    /// client `429` with `Retry-After` (sending it on would only queue it in an engine).
+    Refused(Refused),
+}
+
+/// A request the sidecar's admission refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refused {
+    /// The sidecar's stable reason (`queue_full`, `expired`, `displaced`, `shed`, ...).
+    pub reason: String,
+    pub retry_after_s: u32,
+}
+
+/// Judge a route or wait call's answer. Only an explicit, well-formed `202` or `429`
+/// from the sidecar queues or refuses a request; anything else that is not a steer
+/// fails open.
+pub fn answer(status: Option<&str>, body: Option<&[u8]>) -> Result<Answer, Skip> {
+    match status {
+        Some("202") => {
+            let q: RouteQueued = body
+                .and_then(|b| serde_json::from_slice(b).ok())
+                .ok_or(Skip::BadAnswer)?;
+            Ok(Answer::Queued {
+                ticket: q.ticket,
+                wait_ms: q.wait_ms,
+            })
+        }
+        Some("429") => {
+            #[derive(serde::Deserialize)]
+            struct Body {
+                reason: String,
+                #[serde(default)]
+                retry_after_s: u32,
+            }
+            let b: Body = body
+                .and_then(|b| serde_json::from_slice(b).ok())
+                .ok_or(Skip::BadAnswer)?;
+            Ok(Answer::Refused(Refused {
+                reason: cut(&b.reason, 64).to_owned(),
+                retry_after_s: b.retry_after_s.min(3600),
+            }))
+        }
+        _ => interpret(status, body).map(Answer::Steer),
+    }
+}
+
+/// The wait call's body.
+pub fn wait_body(model: &str, ticket: u64) -> Vec<u8> {
+    serde_json::to_vec(&WaitRequest {
+        model: model.to_owned(),
+        ticket,
+    })
+    .unwrap_or_default()
+}
+
+/// The error body a refused client gets, shaped as the API it called documents its
+/// rate-limit errors (Anthropic's for `/v1/messages`, OpenAI's otherwise), so SDKs
+/// surface it and retry after `Retry-After`.
+pub fn refusal_body(path: &str, r: &Refused) -> Vec<u8> {
+    let message = format!(
+        "the model's pods are saturated ({}); retry after {} s",
+        r.reason, r.retry_after_s
+    );
+    let v = if Endpoint::from_path(path.split('?').next().unwrap_or(path))
+        == Some(Endpoint::Messages)
+    {
+        serde_json::json!({
+            "type": "error",
+            "error": {"type": "rate_limit_error", "message": message},
+        })
+    } else {
+        serde_json::json!({
+            "error": {
+                "message": message,
+                "type": "rate_limit_exceeded",
+                "param": null,
+                "code": r.reason,
+            }
+        })
+    };
+    serde_json::to_vec(&v).unwrap_or_default()
 }
 
 /// A completion report as `/v1/report` takes it (JSON).

@@ -87,6 +87,7 @@ proptest! {
             dry_run: false,
             explain: false,
             prompt_body: None,
+            admission: Default::default(),
         };
         let mut bytes = req.encode_binary();
         prop_assert_eq!(RouteRequest::decode_binary(&bytes).ok(), Some(req.clone()));

@@ -157,6 +157,7 @@ fn binary_route_body_round_trips_and_refuses_garbage() {
         dry_run: false,
         explain: false,
         prompt_body: None,
+        admission: Default::default(),
     };
     let b = r.encode_binary();
     assert!(b.len() < 8_200 + 200);

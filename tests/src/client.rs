@@ -201,6 +201,7 @@ pub fn route_req(model: &str, chain: &[u64], block_size: u32) -> RouteRequest {
         dry_run: false,
         explain: false,
         prompt_body: None,
+        admission: Default::default(),
     }
 }
 

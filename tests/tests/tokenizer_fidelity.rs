@@ -315,6 +315,7 @@ fn chat_bodies_route_by_the_engines_blocks() {
             )
             .expect("fields"),
         ),
+        admission: Default::default(),
     };
     let a = route(&sc, &req("m")).expect("route");
     assert_eq!(a.pod, "10.0.0.2:8000");

@@ -111,6 +111,53 @@ pub struct RouteRequest {
     /// (text mode) is used only when it cannot.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt_body: Option<PromptBody>,
+    /// Who is asking and how urgently, for the admission queue while the fleet is
+    /// saturated (docs/protocol.md). Read by the filter from headers it is configured to
+    /// trust; absent, the policy's defaults apply.
+    #[serde(default, skip_serializing_if = "Admission::is_empty")]
+    pub admission: Admission,
+}
+
+/// A request's class for the admission queue: its priority (a number, or the name of a
+/// Gateway API Inference Extension objective the policy maps to one) and the tenant
+/// whose share of dispatches it counts against.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Admission {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub priority: Option<i32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub objective: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+}
+
+impl Admission {
+    pub fn is_empty(&self) -> bool {
+        self.priority.is_none() && self.objective.is_none() && self.tenant.is_none()
+    }
+}
+
+/// The longest objective name or tenant id a route request may carry.
+pub const MAX_ADMISSION_ID: usize = 256;
+
+/// `202` answer to a route call the sidecar has queued: the filter claims the decision
+/// with `POST /v1/route/wait` ([`WaitRequest`]), waiting up to `wait_ms`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouteQueued {
+    pub ticket: u64,
+    /// The longest the request may wait (its band's TTL): the sidecar answers before.
+    pub wait_ms: u64,
+}
+
+/// `POST /v1/route/wait`: claim a queued request's decision. The call is answered when
+/// the request leaves the queue: a [`RouteResponse`] (200), or `429` with the reason
+/// and `retry_after_s`. Ending the call takes the request out of the queue.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WaitRequest {
+    pub model: String,
+    pub ticket: u64,
 }
 
 /// The parts of an OpenAI request body a chat template (or, for completions, the

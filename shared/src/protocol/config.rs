@@ -126,6 +126,195 @@ pub struct PolicyConfig {
     pub binding_ttl_s: u64,
     /// At most this many bindings of each kind (oldest first out); about 96 bytes each.
     pub max_bindings: u64,
+    /// Queueing requests in the router while a model's pods have no room for them.
+    pub admission: AdmissionConfig,
+}
+
+/// When a model is saturated and what happens to its requests then (docs/policy.md).
+///
+/// A pod has room for a request while, with it, its queued prefill stays within
+/// `max_backlog_s`, its engine reports fewer than `max_waiting` requests waiting and it
+/// has fewer than `max_inflight` in flight (0 turns a check off). A model is saturated
+/// for a request when no pod has room, or the pods with room would lose more than
+/// `cache_loss` of the prompt's cached prefix: the request then waits in the model's
+/// queue in its priority band, tenants taking turns, until room appears (it is scored
+/// again then) or its band's TTL passes (429 with `Retry-After`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdmissionConfig {
+    /// Off: every request is routed at once, whatever the load (the engines queue it).
+    pub enabled: bool,
+    pub max_backlog_s: f64,
+    pub max_waiting: u32,
+    /// Set it to the engines' batch size (vLLM's `max_num_seqs`): a request sent past
+    /// it waits inside the engine, where no priority applies.
+    pub max_inflight: u32,
+    pub cache_loss: f64,
+    /// In-flight slots per pod kept for the highest band waiting.
+    pub reserve_inflight: u32,
+    /// Bounds of one model's queue.
+    pub max_queued: u32,
+    pub max_queued_bytes: u64,
+    /// Priority of a request that names none.
+    pub default_priority: i32,
+    /// Gateway API Inference Extension objectives (`x-gateway-inference-objective`) and
+    /// the priority each stands for; an unknown objective has `default_priority`.
+    pub objectives: BTreeMap<String, i32>,
+    /// How long a request may wait, by priority: the band with the highest `priority`
+    /// at or below the request's applies; below every band, `ttl_s`.
+    pub bands: Vec<AdmissionBand>,
+    pub ttl_s: f64,
+    /// Told to a refused client (`Retry-After`, seconds).
+    pub retry_after_s: u32,
+    /// A queued request whose filter has not claimed it within this long is dropped
+    /// (the filter went away between its two calls).
+    pub claim_timeout_ms: u64,
+}
+
+/// A priority band's rules (see [`AdmissionConfig::bands`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdmissionBand {
+    /// The lowest priority in the band.
+    pub priority: i32,
+    pub ttl_s: f64,
+    /// Refused at once while saturated instead of queued (batch traffic that would
+    /// rather retry elsewhere than wait).
+    pub sheddable: bool,
+}
+
+impl Default for AdmissionBand {
+    fn default() -> Self {
+        AdmissionBand {
+            priority: 0,
+            ttl_s: 30.0,
+            sheddable: false,
+        }
+    }
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        AdmissionConfig {
+            enabled: false,
+            max_backlog_s: 1.0,
+            max_waiting: 0,
+            max_inflight: 0,
+            cache_loss: 0.5,
+            reserve_inflight: 0,
+            max_queued: 1024,
+            max_queued_bytes: 64 << 20,
+            default_priority: 0,
+            objectives: BTreeMap::new(),
+            bands: Vec::new(),
+            ttl_s: 30.0,
+            retry_after_s: 2,
+            claim_timeout_ms: 1000,
+        }
+    }
+}
+
+/// The most bands or objectives an admission config may list.
+pub const MAX_ADMISSION_CLASSES: usize = 64;
+
+impl AdmissionConfig {
+    /// The priority of a request's class: its own number, else its objective's.
+    pub fn priority(&self, a: &super::Admission) -> i32 {
+        a.priority
+            .or_else(|| {
+                a.objective
+                    .as_ref()
+                    .and_then(|o| self.objectives.get(o).copied())
+            })
+            .unwrap_or(self.default_priority)
+    }
+
+    /// The band a priority falls in (`None`: below every band).
+    pub fn band(&self, priority: i32) -> Option<&AdmissionBand> {
+        self.bands
+            .iter()
+            .filter(|b| b.priority <= priority)
+            .max_by_key(|b| b.priority)
+    }
+
+    /// How long a request of `priority` may wait.
+    pub fn ttl(&self, priority: i32) -> std::time::Duration {
+        let s = self.band(priority).map_or(self.ttl_s, |b| b.ttl_s);
+        std::time::Duration::from_secs_f64(s.clamp(0.0, 86_400.0))
+    }
+
+    pub fn sheddable(&self, priority: i32) -> bool {
+        self.band(priority).is_some_and(|b| b.sheddable)
+    }
+
+    fn validate(&self, errs: &mut Vec<String>) {
+        let mut nonneg = |name: &str, v: f64, max: f64| {
+            if !(v.is_finite() && (0.0..=max).contains(&v)) {
+                errs.push(format!("admission.{name} must be in [0, {max}] (got {v})"));
+            }
+        };
+        nonneg("max_backlog_s", self.max_backlog_s, 86_400.0);
+        nonneg("cache_loss", self.cache_loss, 1.0);
+        nonneg("ttl_s", self.ttl_s, 86_400.0);
+        for b in &self.bands {
+            nonneg("bands[].ttl_s", b.ttl_s, 86_400.0);
+        }
+        if self.bands.len() > MAX_ADMISSION_CLASSES || self.objectives.len() > MAX_ADMISSION_CLASSES
+        {
+            errs.push(format!(
+                "admission: at most {MAX_ADMISSION_CLASSES} bands and {MAX_ADMISSION_CLASSES} objectives"
+            ));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for b in &self.bands {
+            if !seen.insert(b.priority) {
+                errs.push(format!(
+                    "admission.bands: priority {} listed twice",
+                    b.priority
+                ));
+            }
+        }
+        if self
+            .objectives
+            .keys()
+            .any(|k| k.is_empty() || k.len() > super::MAX_ADMISSION_ID)
+        {
+            errs.push(format!(
+                "admission.objectives: names must be 1-{} bytes",
+                super::MAX_ADMISSION_ID
+            ));
+        }
+        if self.max_queued == 0 || self.max_queued > 1_000_000 {
+            errs.push(format!(
+                "admission.max_queued must be in [1, 1000000] (got {})",
+                self.max_queued
+            ));
+        }
+        if self.max_queued_bytes == 0 || self.max_queued_bytes > 16 << 30 {
+            errs.push(format!(
+                "admission.max_queued_bytes must be in [1, 16 GiB] (got {})",
+                self.max_queued_bytes
+            ));
+        }
+        if self.reserve_inflight > 0 && self.reserve_inflight >= self.max_inflight {
+            errs.push(format!(
+                "admission.reserve_inflight ({}) must be below max_inflight ({})",
+                self.reserve_inflight, self.max_inflight
+            ));
+        }
+        if self.retry_after_s > 3600 {
+            errs.push(format!(
+                "admission.retry_after_s must be at most 3600 (got {})",
+                self.retry_after_s
+            ));
+        }
+        if !(1..=60_000).contains(&self.claim_timeout_ms) {
+            errs.push(format!(
+                "admission.claim_timeout_ms must be in [1, 60000] (got {})",
+                self.claim_timeout_ms
+            ));
+        }
+    }
 }
 
 impl Default for PolicyConfig {
@@ -169,6 +358,7 @@ impl Default for PolicyConfig {
             session_weight: 0.5,
             binding_ttl_s: 3600,
             max_bindings: 65_536,
+            admission: AdmissionConfig::default(),
         }
     }
 }
@@ -259,6 +449,7 @@ impl PolicyConfig {
         if self.load_timeout_s == 0 {
             errs.push("load_timeout_s must be > 0".into());
         }
+        self.admission.validate(&mut errs);
         if errs.is_empty() {
             Ok(())
         } else {

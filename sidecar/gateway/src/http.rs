@@ -21,10 +21,12 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use kvroute_shared::protocol::{
-    EventBatch, PodRegistration, PolicyConfig, ReportBatch, RouteRequest, RouteResponse,
+    EventBatch, PodRegistration, PolicyConfig, ReportBatch, RouteQueued, RouteRequest,
+    RouteResponse, WaitRequest,
 };
 use serde_json::json;
 
+use crate::admission::{Admitted, Shed, Verdict};
 use crate::ingest::{self, Recovery};
 use crate::route::{self, RouteError};
 use crate::state::{ConfigError, Sidecar};
@@ -171,6 +173,7 @@ const BODY_LIMIT: usize = 32 << 20;
 pub fn router(api: Api) -> Router {
     Router::new()
         .route("/v1/route", post(route_h))
+        .route("/v1/route/wait", post(wait_h))
         .route("/v1/report", post(report_h))
         .route("/v1/events", post(events_h))
         .route("/v1/pods", get(pods_h))
@@ -279,14 +282,78 @@ async fn route_h(State(api): State<Api>, headers: HeaderMap, body: Bytes) -> Res
     if req.prompt_body.is_some() {
         // Rendering and tokenizing take milliseconds: off the async workers.
         let sc = api.sc.clone();
-        match tokio::task::spawn_blocking(move || answer(route::route_until(&sc, &req, deadline)))
-            .await
-        {
+        match tokio::task::spawn_blocking(move || route_answer(&sc, req, deadline)).await {
             Ok(r) => r,
             Err(e) => err(StatusCode::INTERNAL_SERVER_ERROR, "internal", e),
         }
     } else {
-        answer(route::route_until(&api.sc, &req, deadline))
+        route_answer(&api.sc, req, deadline)
+    }
+}
+
+/// A route call's answer: routed at once, or, with admission on and the model
+/// saturated, queued (`202` and a ticket) or refused (`429`).
+fn route_answer(
+    sc: &Sidecar,
+    req: RouteRequest,
+    deadline: Option<std::time::SystemTime>,
+) -> Response {
+    let cfg = sc.config();
+    if !cfg.admission.enabled || req.dry_run {
+        return answer(route::route_until(sc, &req, deadline));
+    }
+    let req = route::tokenized(sc, req);
+    match sc
+        .waiting
+        .admit(sc, req, deadline, std::time::Instant::now())
+    {
+        Ok(Admitted::Routed(r)) => answer(Ok(r)),
+        Ok(Admitted::Queued { ticket, wait }) => (
+            StatusCode::ACCEPTED,
+            Json(RouteQueued {
+                ticket,
+                wait_ms: u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+            }),
+        )
+            .into_response(),
+        Ok(Admitted::Refused(why)) => refused(&cfg, why),
+        Err(e) => answer(Err(e)),
+    }
+}
+
+/// `429` for a request admission will not route, with when to try again.
+fn refused(cfg: &PolicyConfig, why: Shed) -> Response {
+    let retry = cfg.admission.retry_after_s;
+    let body = json!({
+        "error": format!("the model is saturated and the request was not queued or left the queue ({})", why.label()),
+        "reason": why.label(),
+        "retry_after_s": retry,
+    });
+    (
+        StatusCode::TOO_MANY_REQUESTS,
+        [("retry-after", retry.to_string())],
+        Json(body),
+    )
+        .into_response()
+}
+
+/// `POST /v1/route/wait`: the decision of a request the route call queued, when it
+/// leaves the queue. The call ending early (its client went away) takes it out.
+async fn wait_h(State(api): State<Api>, body: Bytes) -> Response {
+    let w: WaitRequest = match parse(&body, "wait request") {
+        Ok(w) => w,
+        Err(resp) => return resp,
+    };
+    let cfg = api.sc.config();
+    match api.sc.waiting.wait(&api.sc, &w.model, w.ticket).await {
+        Verdict::Routed(r) => answer(Ok(r)),
+        Verdict::Refused(why) => refused(&cfg, why),
+        Verdict::Failed(e) => answer(Err(e)),
+        Verdict::Stopping => err(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "stopping",
+            "the sidecar is stopping; send the request on unsteered",
+        ),
     }
 }
 
@@ -317,7 +384,7 @@ async fn large_route(
     let work = move || {
         let _permit = permit;
         match decode_route(&sc, binary, &body) {
-            Ok(req) => answer(route::route_until(&sc, &req, deadline)),
+            Ok(req) => route_answer(&sc, req, deadline),
             Err(resp) => resp,
         }
     };

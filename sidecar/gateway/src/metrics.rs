@@ -77,6 +77,7 @@ pub const LATENCY_BOUNDS: [f64; 11] = [
 pub const QUEUE_BOUNDS: [f64; 10] = [
     0.000_1, 0.000_5, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.0,
 ];
+pub const WAIT_BOUNDS: [f64; 10] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0];
 pub const BLOCK_BOUNDS: [f64; 9] = [0.0, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0];
 
 /// State gauges, set from a snapshot at scrape time.
@@ -86,6 +87,8 @@ struct StateGauges {
     index_bytes: Family<Label, Gauge>,
     predicted_entries: Gauge,
     inflight: Gauge,
+    /// Requests in the admission queue per model, priority and tenant.
+    queued: Family<Vec<(&'static str, String)>, Gauge>,
 }
 
 pub struct Metrics {
@@ -131,6 +134,13 @@ pub struct Metrics {
     /// Requests seen by the endpoint picker, by outcome ("routed", or why not:
     /// `picker::Outcome`, and "stream_error" for a stream that broke).
     pub picker: Labeled,
+    /// Route requests under admission, by what became of them: "routed" at once,
+    /// "queued", and how queued ones left ("dispatched", "expired", "displaced",
+    /// "unclaimed", "cancelled", "failed", "stopping"), or why one was refused
+    /// ("queue_full", "too_large", "shed").
+    pub admission: Labeled,
+    /// How long dispatched requests waited in the admission queue.
+    pub admission_wait_seconds: Histogram,
     /// Reports judged against the index, by model, chat template and outcome (`agreement`).
     cache_agreement: Family<Label, Counter>,
 }
@@ -183,12 +193,15 @@ impl Default for Metrics {
             precise: Labeled::new("outcome"),
             api_refused: Labeled::new("reason"),
             picker: Labeled::new("outcome"),
+            admission: Labeled::new("outcome"),
+            admission_wait_seconds: Histogram::new(WAIT_BOUNDS),
             state: StateGauges {
                 pods: Family::default(),
                 index_entries: Family::default(),
                 index_bytes: Family::default(),
                 predicted_entries: Gauge::default(),
                 inflight: Gauge::default(),
+                queued: Family::default(),
             },
             registry: Registry::default(),
         };
@@ -206,6 +219,12 @@ impl Default for Metrics {
             "kvroute_event_queue_seconds",
             "Time NATS event batches waited in their pod's queue.",
             &m.event_queue_seconds,
+        );
+        h(
+            &mut r,
+            "kvroute_admission_wait_seconds",
+            "Time dispatched requests waited in the admission queue.",
+            &m.admission_wait_seconds,
         );
         h(
             &mut r,
@@ -260,6 +279,11 @@ impl Default for Metrics {
                 "kvroute_picker_requests",
                 "Requests seen by the endpoint picker (ext_proc), by outcome: routed, or why they went on unsteered.",
                 &m.picker,
+            ),
+            (
+                "kvroute_admission",
+                "Route requests under admission control, by outcome (routed at once, queued, and how queued ones left or why one was refused).",
+                &m.admission,
             ),
             (
                 "kvroute_replica_deltas",
@@ -342,6 +366,11 @@ impl Default for Metrics {
         );
         r.register("kvroute_pods", "Pods by state.", m.state.pods.clone());
         r.register(
+            "kvroute_admission_queued",
+            "Requests waiting in the admission queue, per model, priority and tenant (a model with any is saturated).",
+            m.state.queued.clone(),
+        );
+        r.register(
             "kvroute_index_entries",
             "Blocks in the index.",
             m.state.index_entries.clone(),
@@ -390,6 +419,8 @@ pub struct Gauges {
     pub index: Vec<(String, u64, u64)>,
     pub predicted_entries: u64,
     pub inflight: u64,
+    /// (model, priority, tenant, requests) in the admission queues.
+    pub queued: Vec<(String, i32, String, usize)>,
 }
 
 fn gauge_value(v: u64) -> i64 {
@@ -436,6 +467,16 @@ impl Metrics {
             let l = vec![("model", m.clone())];
             s.index_entries.get_or_create(&l).set(gauge_value(*e));
             s.index_bytes.get_or_create(&l).set(gauge_value(*b));
+        }
+        s.queued.clear();
+        for (m, p, t, n) in &g.queued {
+            s.queued
+                .get_or_create(&vec![
+                    ("model", m.clone()),
+                    ("priority", p.to_string()),
+                    ("tenant", t.clone()),
+                ])
+                .set(gauge_value(*n as u64));
         }
         s.predicted_entries.set(gauge_value(g.predicted_entries));
         s.inflight.set(gauge_value(g.inflight));

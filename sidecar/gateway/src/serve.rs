@@ -204,6 +204,7 @@ pub async fn run(
 
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(cleaner::run(sc.clone(), ch.cleanup, stop.clone()));
+    tasks.spawn(crate::admission::waiting::run(sc.clone(), stop.clone()));
     tasks.spawn(ingest::fetch_dumps(
         sc.clone(),
         recovery.clone(),

@@ -69,6 +69,9 @@ pub struct Sidecar {
     /// Sessions and Responses ids bound to pods (written by route commits, reports and
     /// other replicas' deltas; read by routes).
     pub(crate) bindings: crate::affinity::Bindings,
+    /// Requests waiting for room while their model is saturated (written by route
+    /// calls, wait calls and the dispatcher; `admission::waiting`).
+    pub waiting: crate::admission::Waiting,
 }
 
 /// Why a config update was refused.
@@ -129,6 +132,7 @@ impl Sidecar {
             bindings: Default::default(),
             tokenizers: Default::default(),
             tokenize_budget: Default::default(),
+            waiting: Default::default(),
         };
         Ok((
             Arc::new(sc),
@@ -375,6 +379,12 @@ impl Sidecar {
         }
         g.predicted_entries = self.predicted.entries();
         g.inflight = self.ledger.outstanding() as u64;
+        g.queued = self
+            .waiting
+            .depths()
+            .into_iter()
+            .map(|(m, p, t, n)| (m, p, t.to_string(), n))
+            .collect();
         g
     }
 }

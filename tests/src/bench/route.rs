@@ -190,6 +190,7 @@ pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
                 dry_run: true,
                 explain: false,
                 prompt_body: None,
+                admission: Default::default(),
             };
             Bytes::from(serde_json::to_vec(&r).unwrap_or_default())
         })
@@ -251,6 +252,7 @@ pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
         dry_run: false,
         explain: false,
         prompt_body: None,
+        admission: Default::default(),
     };
     let long_json = serde_json::to_vec(&long)?;
     let mut dec = Samples::default();

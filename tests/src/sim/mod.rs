@@ -30,7 +30,7 @@ use kvroute_shared::protocol::{
     CompletionReport, Event, EventBatch, LoadDelta, PolicyConfig, RouteRequest, Tier,
 };
 use kvroute_shared::Mode;
-use kvroute_sidecar::admission::{AdmissionQueue, Arrival, Headroom, Limits};
+use kvroute_sidecar::admission::{self, AdmissionQueue, Arrival, Headroom, Limits, Step};
 use kvroute_sidecar::Sidecar;
 use kvroute_sidecar::{self as sidecar, Recovery};
 use kvroute_sidecar::{RouteError, Selector};
@@ -56,9 +56,6 @@ fn pod_id(k: usize, dp_ranks: usize) -> String {
         addr
     }
 }
-
-/// Requests of an admission queue tried per look (past heads waiting for their cache).
-const LOOK_AHEAD: usize = 16;
 
 /// The model name the simulated pods serve.
 const MODEL: &str = "sim";
@@ -398,6 +395,7 @@ impl Sim<'_> {
             dry_run: false,
             explain: false,
             prompt_body: None,
+            admission: Default::default(),
         };
         let now = self.at(t);
         let gw = &mut self.gws[g];
@@ -481,22 +479,23 @@ impl Sim<'_> {
         for e in self.gws[g].queue.expire(at) {
             self.shed[e.item] = true;
         }
-        // The first requests in dispatch order, each routed again; one that has no room
-        // (where its cache is) stays and the next one is tried.
-        'look: loop {
-            for ticket in self.gws[g].queue.order(LOOK_AHEAD) {
-                let Some(i) = self.gws[g].queue.get(ticket).map(|e| e.item) else {
-                    continue;
-                };
-                if let Ok(k) = self.route(i, now) {
-                    self.gws[g].queue.take(ticket);
+        // The sidecar's own look: the first requests in dispatch order, each routed
+        // again; one that has no room (where its cache is) stays and the next is tried.
+        // The queue is out of `self` meanwhile, since routing needs all of it.
+        let limits = self.gws[g].queue.limits();
+        let mut q = std::mem::replace(&mut self.gws[g].queue, AdmissionQueue::new(limits));
+        admission::look(&mut q, |e| {
+            let i = e.item;
+            match self.route(i, now) {
+                Ok(k) => {
                     self.from_queue[i] = true;
                     self.dispatch(i, k, now);
-                    continue 'look;
+                    Step::Leave(())
                 }
+                Err(_) => Step::Wait,
             }
-            break;
-        }
+        });
+        self.gws[g].queue = q;
         self.schedule_look(g, now);
     }
 
@@ -545,11 +544,10 @@ impl Sim<'_> {
                 Ev::Arrive(i) => {
                     self.arrive[i] = now;
                     let g = i % self.gws.len();
-                    let waiting_above = match (&self.o.admission, self.gws[g].queue.top_priority())
-                    {
-                        (Some(a), Some(top)) => top >= a.class(i).0,
-                        _ => false,
-                    };
+                    let waiting_above =
+                        self.o.admission.as_ref().is_some_and(|a| {
+                            admission::must_wait(&self.gws[g].queue, a.class(i).0)
+                        });
                     if waiting_above {
                         self.hold(i, now);
                         continue;

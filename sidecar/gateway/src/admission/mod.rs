@@ -12,8 +12,10 @@
 //! service and the simulator decide saturation with the same code.
 
 pub mod queue;
+pub mod waiting;
 
 pub use queue::{AdmissionQueue, Arrival, Entry, Limits, Queued, Refusal, Ticket};
+pub use waiting::{Admitted, Shed, Verdict, Waiting};
 
 use kvroute_shared::protocol::PolicyConfig;
 
@@ -82,6 +84,48 @@ pub fn room(cfg: &PolicyConfig, h: &Headroom, ask: &Ask, cands: &[Candidate]) ->
         return Vec::new();
     }
     ok
+}
+
+/// Requests of a queue tried per look: past a head waiting for its cache's pod, so one
+/// waiting for room where its prefix is holds back no other.
+pub const LOOK_AHEAD: usize = 16;
+
+/// What a look's router says of one queued request.
+pub enum Step<R> {
+    /// No room for it now: it stays.
+    Wait,
+    /// It leaves with this outcome.
+    Leave(R),
+}
+
+/// One look at a queue (after its expired requests are taken out): the first
+/// [`LOOK_AHEAD`] in dispatch order are routed again (`route`, scored as things are now),
+/// and each time one leaves the look starts over, since its decision changed the loads
+/// the others are scored against. The service's dispatcher and the simulator both look
+/// through this.
+pub fn look<T, R>(
+    q: &mut AdmissionQueue<T>,
+    mut route: impl FnMut(&Entry<T>) -> Step<R>,
+) -> Vec<(Entry<T>, R)> {
+    let mut out = Vec::new();
+    'look: loop {
+        for ticket in q.order(LOOK_AHEAD) {
+            let Some(e) = q.get(ticket) else { continue };
+            if let Step::Leave(r) = route(e) {
+                if let Some(e) = q.take(ticket) {
+                    out.push((e, r));
+                }
+                continue 'look;
+            }
+        }
+        return out;
+    }
+}
+
+/// Whether a request of `priority` arriving now must queue without being tried: requests
+/// of its band or above already wait, and a newcomer does not overtake them.
+pub fn must_wait<T>(q: &AdmissionQueue<T>, priority: i32) -> bool {
+    q.top_priority().is_some_and(|p| p >= priority)
 }
 
 #[cfg(test)]

@@ -223,6 +223,16 @@ impl<T> AdmissionQueue<T> {
             .find(|e| e.ticket == ticket)
     }
 
+    pub fn get_mut(&mut self, ticket: Ticket) -> Option<&mut Entry<T>> {
+        let (priority, tenant) = self.where_is.get(&ticket)?;
+        self.bands
+            .get_mut(&Reverse(*priority))?
+            .tenants
+            .get_mut(tenant)?
+            .iter_mut()
+            .find(|e| e.ticket == ticket)
+    }
+
     /// The request that leaves next: the highest band's, from the tenant whose turn it is.
     pub fn front(&self) -> Option<&Entry<T>> {
         let band = self.bands.values().next()?;

@@ -344,6 +344,7 @@ impl Exchange {
             request_id: self.request_id.as_deref(),
             session: self.session.as_deref(),
             tenant: self.tenant.as_deref(),
+            ..Default::default()
         };
         let built = logic::parse(&self.cfg, &self.path, &self.body).and_then(|req| {
             let s = self.settings.clone();

@@ -106,6 +106,39 @@ pub fn route_within(
     r
 }
 
+/// `req` as it is routed: a request whose prompt the sidecar tokenizes as its token
+/// chain (precise mode), else as it came. The admission queue holds this form, so a
+/// request is tokenized once however often it is routed again.
+pub fn tokenized(sc: &Sidecar, req: RouteRequest) -> RouteRequest {
+    precise::precise(sc, &req).unwrap_or(req)
+}
+
+/// [`route_until`] of a request already [`tokenized`], through an admission gate: with
+/// no pod within `gate`'s room for it the answer is [`RouteError::Saturated`] and
+/// nothing is committed (the caller queues it; `crate::admission::waiting`). A
+/// saturated answer is not a route error: admission counts what becomes of it.
+pub fn route_gated(
+    sc: &Sidecar,
+    req: &RouteRequest,
+    deadline: Option<SystemTime>,
+    gate: &crate::admission::Headroom,
+) -> Result<RouteResponse, RouteError> {
+    let t0 = Instant::now();
+    let r = past(deadline)
+        .and_then(|()| route_inner(sc, req, t0, &mut PolicySelector, deadline, None, Some(gate)));
+    if let Ok(resp) = &r {
+        if !req.dry_run {
+            sc.recent.record(req, resp);
+        }
+    }
+    sc.metrics.route_seconds.observe(t0.elapsed().as_secs_f64());
+    match &r {
+        Err(RouteError::Saturated) | Ok(_) => {}
+        Err(e) => sc.metrics.route_errors.inc(e.reason(), 1),
+    }
+    r
+}
+
 /// A candidate and the pod it stands for.
 #[derive(Clone, Debug)]
 struct PodCandidate {
@@ -714,6 +747,7 @@ mod tests {
             dry_run: false,
             explain: false,
             prompt_body: None,
+            admission: Default::default(),
         }
     }
 
@@ -864,6 +898,7 @@ mod tests {
             dry_run: false,
             explain: false,
             prompt_body: None,
+            admission: Default::default(),
         };
         let first = route(&sc, &req(0)).expect("route");
         assert_eq!(

@@ -70,5 +70,6 @@ fn tokens_of(
         dry_run: req.dry_run,
         explain: req.explain,
         prompt_body: None,
+        admission: req.admission.clone(),
     })
 }

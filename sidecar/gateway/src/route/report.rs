@@ -44,6 +44,8 @@ pub fn report_at(sc: &Sidecar, r: &CompletionReport, now: Instant) {
         return;
     };
     sc.metrics.load_released.inc(Release::Report.label(), 1);
+    // Load left a pod: a request waiting for room may fit now.
+    sc.waiting.wake();
     // A Responses id the engine gave: the next turn naming it belongs where it was
     // stored, credited with this turn's prompt and output (its history then).
     if let Some(id) = r.response_id.as_deref().filter(|_| r.status / 100 == 2) {
