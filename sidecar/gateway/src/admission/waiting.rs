@@ -466,8 +466,7 @@ mod tests {
     /// Two pods taking one request each, a high band (priority 5, 30 s) above the
     /// default one (10 s) and a sheddable band below 0.
     fn fleet() -> (Arc<Sidecar>, impl Sized) {
-        let mut cfg = PolicyConfig::default();
-        cfg.admission = AdmissionConfig {
+        let admission = AdmissionConfig {
             enabled: true,
             max_inflight: 1,
             max_backlog_s: 1000.0,
@@ -491,6 +490,10 @@ mod tests {
             ],
             objectives: [("interactive".to_string(), 5)].into(),
             ..AdmissionConfig::default()
+        };
+        let cfg = PolicyConfig {
+            admission,
+            ..PolicyConfig::default()
         };
         let (sc, ch) = Sidecar::new(cfg).expect("sidecar");
         for p in 0..2 {
