@@ -46,8 +46,10 @@ pub struct FilterConfig {
     pub sidecar_authority: String,
     pub route_path: String,
     pub report_path: String,
-    /// Where the decision of a request the sidecar queued is claimed.
+    /// Where the decision of a request the sidecar queued is claimed, and where the
+    /// filter says its client went away.
     pub wait_path: String,
+    pub cancel_path: String,
     /// Callout timeout: past it the request goes on unsteered.
     pub timeout_ms: u64,
     /// Request paths that are routed (exact match, query string ignored).
@@ -113,6 +115,7 @@ impl Default for FilterConfig {
             route_path: "/v1/route".into(),
             report_path: "/v1/report".into(),
             wait_path: "/v1/route/wait".into(),
+            cancel_path: "/v1/route/cancel".into(),
             timeout_ms: 25,
             paths: vec![
                 "/v1/completions".into(),
@@ -181,6 +184,7 @@ impl FilterConfig {
             ("route_path", &self.route_path),
             ("report_path", &self.report_path),
             ("wait_path", &self.wait_path),
+            ("cancel_path", &self.cancel_path),
         ] {
             if !p.starts_with('/') {
                 errs.push(format!("{name} must start with '/' (got {p:?})"));

@@ -111,6 +111,28 @@ impl Shared {
     }
 }
 
+impl Shared {
+    /// Tell the sidecar a queued request's client is gone, fire and forget (if it is
+    /// lost, the request is dispatched or expires and its decision times out).
+    fn cancel_wait(&self, model: &str, ticket: u64) {
+        let headers = vec![
+            (":method", "POST"),
+            (":path", self.cfg.cancel_path.as_str()),
+            (":authority", self.cfg.sidecar_authority.as_str()),
+            ("content-type", "application/json"),
+        ];
+        let body = logic::wait_body(model, ticket);
+        let timeout = Duration::from_millis(self.cfg.timeout_ms.max(1000));
+        let _ = hostcalls::dispatch_http_call(
+            &self.cfg.sidecar_cluster,
+            headers,
+            Some(&body),
+            vec![],
+            timeout,
+        );
+    }
+}
+
 struct Root {
     shared: Option<Rc<Shared>>,
 }
@@ -192,7 +214,8 @@ enum State {
         responses: bool,
         /// The request's path (a refusal's body is shaped as its API's errors).
         path: String,
-        waiting: bool,
+        /// The sidecar's ticket while this is the wait call of a request it queued.
+        ticket: Option<u64>,
     },
     /// The request went on (steered or not); watch the response for `usage`.
     Forwarded {
@@ -318,7 +341,7 @@ impl Context for Http {
             mut timings,
             responses,
             path,
-            waiting,
+            ticket: waiting,
         } = std::mem::replace(&mut self.state, State::PassThrough)
         else {
             return;
@@ -336,7 +359,7 @@ impl Context for Http {
             .flatten();
         let steered = match logic::answer(status.as_deref(), body.as_deref()) {
             // A wait call is answered with a decision or a refusal, never another ticket.
-            Ok(logic::Answer::Queued { .. }) if waiting => {
+            Ok(logic::Answer::Queued { .. }) if waiting.is_some() => {
                 sh.metrics.skip(Skip::BadAnswer);
                 None
             }
@@ -369,7 +392,7 @@ impl Context for Http {
                             timings,
                             responses,
                             path,
-                            waiting: true,
+                            ticket: Some(ticket),
                         };
                         return;
                     }
@@ -571,7 +594,7 @@ impl HttpContext for Http {
                     timings,
                     responses: prepared.responses,
                     path: path.clone(),
-                    waiting: false,
+                    ticket: None,
                 };
                 Action::Pause
             }
@@ -643,6 +666,17 @@ impl HttpContext for Http {
         let Some(sh) = self.shared.clone() else {
             return;
         };
+        // The client left while its request waited in the sidecar's queue: take it out
+        // (Envoy does not end the wait call for us), or release a decision made for it.
+        if let State::Calling {
+            model,
+            ticket: Some(ticket),
+            ..
+        } = &self.state
+        {
+            sh.cancel_wait(model, *ticket);
+            return;
+        }
         if !sh.cfg.report {
             return;
         }

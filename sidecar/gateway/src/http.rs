@@ -174,6 +174,7 @@ pub fn router(api: Api) -> Router {
     Router::new()
         .route("/v1/route", post(route_h))
         .route("/v1/route/wait", post(wait_h))
+        .route("/v1/route/cancel", post(cancel_h))
         .route("/v1/report", post(report_h))
         .route("/v1/events", post(events_h))
         .route("/v1/pods", get(pods_h))
@@ -335,6 +336,17 @@ fn refused(cfg: &PolicyConfig, why: Shed) -> Response {
         Json(body),
     )
         .into_response()
+}
+
+/// `POST /v1/route/cancel` (same body as the wait call): the client of a queued
+/// request went away; `204` whether or not anything was still held.
+async fn cancel_h(State(api): State<Api>, body: Bytes) -> Response {
+    let w: WaitRequest = match parse(&body, "cancel request") {
+        Ok(w) => w,
+        Err(resp) => return resp,
+    };
+    api.sc.waiting.cancel(&api.sc, &w.model, w.ticket);
+    StatusCode::NO_CONTENT.into_response()
 }
 
 /// `POST /v1/route/wait`: the decision of a request the route call queued, when it

@@ -107,7 +107,14 @@ pub struct Waiting {
     wake: Notify,
     /// Set once the dispatcher stopped: nothing more is queued.
     closed: std::sync::atomic::AtomicBool,
+    /// Decisions handed to wait calls lately, by (model, ticket): a cancel that crosses
+    /// the answer on its way releases the decision (the filter that would have reported
+    /// it is gone). Pruned after [`ANSWERED_KEEP`], at most [`MAX_ANSWERED`].
+    answered: Mutex<HashMap<(String, Ticket), (String, Instant)>>,
 }
+
+const ANSWERED_KEEP: Duration = Duration::from_secs(60);
+const MAX_ANSWERED: usize = 1 << 16;
 
 /// The headroom the config asks for.
 pub fn headroom(a: &AdmissionConfig) -> Headroom {
@@ -238,7 +245,7 @@ impl Waiting {
         match pushed {
             Ok(q) => {
                 for e in q.displaced {
-                    self.answer(sc, e.item, Verdict::Refused(Shed::Displaced), now);
+                    self.answer(sc, e.ticket, e.item, Verdict::Refused(Shed::Displaced), now);
                 }
                 sc.metrics.admission.inc("queued", 1);
                 self.wake();
@@ -295,7 +302,7 @@ impl Waiting {
 
     /// Send a verdict to whoever claimed the request; if nobody will read it, a decision
     /// it carries is released at once.
-    fn answer(&self, sc: &Sidecar, held: Held, v: Verdict, now: Instant) {
+    fn answer(&self, sc: &Sidecar, ticket: Ticket, held: Held, v: Verdict, now: Instant) {
         let label = match &v {
             Verdict::Routed(_) => "dispatched",
             Verdict::Refused(s) => s.label(),
@@ -306,9 +313,51 @@ impl Waiting {
         let Some(tx) = held.claim else {
             return;
         };
-        if let Err(Verdict::Routed(r)) = tx.send(v) {
-            release(sc, &r, now);
+        let decision = match &v {
+            Verdict::Routed(r) => r.decision.clone(),
+            _ => None,
+        };
+        match tx.send(v) {
+            Err(Verdict::Routed(r)) => release(sc, &r, now),
+            Ok(()) => {
+                if let Some(d) = decision {
+                    let mut a = self.answered.lock();
+                    if a.len() >= MAX_ANSWERED {
+                        a.retain(|_, (_, at)| now.saturating_duration_since(*at) < ANSWERED_KEEP);
+                    }
+                    if a.len() < MAX_ANSWERED {
+                        a.insert((held.req.model.clone(), ticket), (d, now));
+                    }
+                }
+            }
+            Err(_) => {}
         }
+    }
+
+    /// The filter says a queued request's client went away: it leaves the queue, or the
+    /// decision it was given is released. Whether anything was found.
+    pub fn cancel(&self, sc: &Sidecar, model: &str, ticket: Ticket) -> bool {
+        if let Some(room) = self.room(model) {
+            if room.lock().cancel(ticket).is_some() {
+                sc.metrics.admission.inc("cancelled", 1);
+                return true;
+            }
+        }
+        let Some((decision, _)) = self.answered.lock().remove(&(model.to_owned(), ticket)) else {
+            return false;
+        };
+        let now = Instant::now();
+        let cfg = sc.config();
+        if let Some(id) = sc.ledger().parse_id(&decision) {
+            if let Some((_, deltas)) = sc.ledger().release(id, now, &cfg) {
+                sc.metrics.load_released.inc("abandoned", 1);
+                sc.metrics.admission.inc("cancelled", 1);
+                sc.publish(deltas);
+                self.wake();
+                return true;
+            }
+        }
+        false
     }
 
     /// One look at every room: shed what expired or was never claimed, then route the
@@ -316,6 +365,9 @@ impl Waiting {
     pub fn look(&self, sc: &Sidecar, now: Instant) {
         let cfg = sc.config();
         let a = &cfg.admission;
+        self.answered
+            .lock()
+            .retain(|_, (_, at)| now.saturating_duration_since(*at) < ANSWERED_KEEP);
         let rooms: Vec<Room> = self.rooms.read().values().cloned().collect();
         for room in rooms {
             let mut out = Vec::new();
@@ -323,7 +375,12 @@ impl Waiting {
                 let mut q = room.lock();
                 q.set_limits(limits(a));
                 for e in q.expire(now) {
-                    out.push((e.item, Verdict::Refused(Shed::Expired), e.enqueued));
+                    out.push((
+                        e.ticket,
+                        e.item,
+                        Verdict::Refused(Shed::Expired),
+                        e.enqueued,
+                    ));
                 }
                 let lost: Vec<Ticket> = q
                     .order(usize::MAX)
@@ -335,7 +392,12 @@ impl Waiting {
                     .collect();
                 for t in lost {
                     if let Some(e) = q.cancel(t) {
-                        out.push((e.item, Verdict::Refused(Shed::Unclaimed), e.enqueued));
+                        out.push((
+                            e.ticket,
+                            e.item,
+                            Verdict::Refused(Shed::Unclaimed),
+                            e.enqueued,
+                        ));
                     }
                 }
                 let top = top_priority(a);
@@ -352,16 +414,16 @@ impl Waiting {
                     }
                 });
                 for (e, v) in left {
-                    out.push((e.item, v, e.enqueued));
+                    out.push((e.ticket, e.item, v, e.enqueued));
                 }
             }
-            for (held, v, enqueued) in out {
+            for (ticket, held, v, enqueued) in out {
                 if matches!(v, Verdict::Routed(_)) {
                     sc.metrics
                         .admission_wait_seconds
                         .observe(now.saturating_duration_since(enqueued).as_secs_f64());
                 }
-                self.answer(sc, held, v, now);
+                self.answer(sc, ticket, held, v, now);
             }
         }
     }
@@ -374,12 +436,12 @@ impl Waiting {
         let now = Instant::now();
         let rooms: Vec<Room> = self.rooms.read().values().cloned().collect();
         for room in rooms {
-            let held: Vec<Held> = {
+            let held: Vec<(Ticket, Held)> = {
                 let mut q = room.lock();
-                std::iter::from_fn(|| q.pop().map(|e| e.item)).collect()
+                std::iter::from_fn(|| q.pop().map(|e| (e.ticket, e.item))).collect()
             };
-            for h in held {
-                self.answer(sc, h, Verdict::Stopping, now);
+            for (t, h) in held {
+                self.answer(sc, t, h, Verdict::Stopping, now);
             }
         }
     }
