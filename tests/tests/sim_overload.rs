@@ -10,7 +10,7 @@
 //! tenant shed no more often than the heavy one, the queue within its bounds, and a hit
 //! rate at least the queue-less run's. Figures in docs/policy.md ("Admission").
 
-use kvroute_sidecar::admission::{Headroom, Limits};
+use kvroute_shared::protocol::{AdmissionBand, AdmissionConfig};
 use kvroute_tests::sim::{self, ClassFigures, Policy, SimAdmission, SimOpts};
 
 const PODS: usize = 4;
@@ -20,23 +20,40 @@ const CACHE_LOSS: f64 = 0.5;
 /// Batch slots per pod kept for the high band.
 const RESERVE: u32 = 4;
 
+/// The sidecar's admission settings for this run: the low band (0) waits 10 s, the
+/// high one (1) 30 s.
+fn config(max_inflight: u32) -> AdmissionConfig {
+    AdmissionConfig {
+        enabled: true,
+        max_backlog_s: 1.0,
+        max_waiting: 0,
+        max_inflight,
+        cache_loss: CACHE_LOSS,
+        reserve_inflight: RESERVE,
+        max_queued: 4096,
+        max_queued_bytes: 8 << 20,
+        bands: vec![
+            AdmissionBand {
+                priority: 0,
+                ttl_s: 10.0,
+                sheddable: false,
+            },
+            AdmissionBand {
+                priority: 1,
+                ttl_s: 30.0,
+                sheddable: false,
+            },
+        ],
+        ..AdmissionConfig::default()
+    }
+}
+
 fn admission(max_inflight: u32) -> SimAdmission {
     SimAdmission {
-        headroom: Headroom {
-            max_backlog_s: 1.0,
-            max_waiting: 0,
-            max_inflight,
-            cache_loss: CACHE_LOSS,
-            reserve_inflight: RESERVE,
-        },
-        limits: Limits {
-            max_requests: 4096,
-            max_bytes: 8 << 20,
-        },
+        config: config(max_inflight),
         // One request in four is high priority; tenant 1 sends one in eleven.
         priority: vec![1, 0, 0, 0],
         tenant: [0; 10].into_iter().chain([1]).collect(),
-        ttl_s: vec![10.0, 30.0],
     }
 }
 
@@ -66,12 +83,12 @@ fn overload(seed: u64) {
     // A gate that never closes: every request goes straight to the engines.
     let open = SimOpts {
         admission: Some(SimAdmission {
-            headroom: Headroom {
+            config: AdmissionConfig {
                 max_backlog_s: f64::MAX,
-                max_waiting: 0,
                 max_inflight: 0,
                 cache_loss: 1.0,
                 reserve_inflight: 0,
+                ..config(0)
             },
             ..admission(0)
         }),
@@ -79,7 +96,7 @@ fn overload(seed: u64) {
     };
     let open = sim::simulate(&reqs, &open, Policy::Kvroute);
     let a = admission(o.cost.max_batch as u32);
-    let limits = a.limits;
+    let max_bytes = a.config.max_queued_bytes as usize;
     let gated = sim::simulate(
         &reqs,
         &SimOpts {
@@ -127,7 +144,7 @@ fn overload(seed: u64) {
         light.shed as f64 / light.requests as f64 <= heavy.shed as f64 / heavy.requests as f64,
         "light tenant {light:?} vs heavy {heavy:?}"
     );
-    assert!(gated.queue_peak_bytes <= limits.max_bytes);
+    assert!(gated.queue_peak_bytes <= max_bytes);
     // Waiting for the cache keeps it: more hits than sending everything at once.
     assert!(
         gated.hit_rate >= open.hit_rate,

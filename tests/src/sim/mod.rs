@@ -26,11 +26,12 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvroute_shared::protocol::AdmissionConfig;
 use kvroute_shared::protocol::{
     CompletionReport, Event, EventBatch, LoadDelta, PolicyConfig, RouteRequest, Tier,
 };
 use kvroute_shared::Mode;
-use kvroute_sidecar::admission::{self, AdmissionQueue, Arrival, Headroom, Limits, Step};
+use kvroute_sidecar::admission::{self, waiting, AdmissionQueue, Arrival, Headroom, Limits, Step};
 use kvroute_sidecar::Sidecar;
 use kvroute_sidecar::{self as sidecar, Recovery};
 use kvroute_sidecar::{RouteError, Selector};
@@ -93,36 +94,39 @@ pub struct SimOpts {
 /// things are then; past its TTL it is shed (a 429 in the service).
 #[derive(Clone, Debug)]
 pub struct SimAdmission {
-    pub headroom: Headroom,
-    pub limits: Limits,
-    /// Request `i`'s priority (`priority[i % len]`; empty: all 0).
+    /// The sidecar's own admission settings, as an operator writes them: the gate's
+    /// thresholds, the queue's bounds, the bands with their TTLs (a sheddable band is
+    /// refused at once while saturated).
+    pub config: AdmissionConfig,
+    /// Request `i`'s priority (`priority[i % len]`; empty: all the default priority).
     pub priority: Vec<i32>,
     /// Request `i`'s tenant (`tenant[i % len]`; empty: one tenant).
     pub tenant: Vec<u32>,
-    /// How long a request of priority `p` may wait: `ttl_s[p]` (the last for higher).
-    pub ttl_s: Vec<f64>,
 }
 
 impl SimAdmission {
     fn class(&self, i: usize) -> (i32, u32) {
-        let pick = |v: &[i32]| if v.is_empty() { 0 } else { v[i % v.len()] };
+        let p = if self.priority.is_empty() {
+            self.config.default_priority
+        } else {
+            self.priority[i % self.priority.len()]
+        };
         let t = if self.tenant.is_empty() {
             0
         } else {
             self.tenant[i % self.tenant.len()]
         };
-        (pick(&self.priority), t)
+        (p, t)
     }
 
-    /// The headroom a request of `priority` may use (the highest band's reserve).
+    /// The headroom a request of `priority` may use (the service's rule).
     fn headroom_for(&self, priority: i32) -> Headroom {
-        let top = self.priority.iter().copied().max().unwrap_or(0);
-        self.headroom.for_band(priority >= top)
+        let top = waiting::top_priority(&self.config);
+        waiting::headroom(&self.config).for_band(priority >= top)
     }
 
-    fn ttl(&self, priority: i32) -> Duration {
-        let k = (priority.max(0) as usize).min(self.ttl_s.len().saturating_sub(1));
-        Duration::from_secs_f64(self.ttl_s.get(k).copied().unwrap_or(30.0).max(0.0))
+    fn limits(&self) -> Limits {
+        waiting::limits(&self.config)
     }
 }
 
@@ -430,16 +434,21 @@ impl Sim<'_> {
     }
 
     /// A request the gate refused waits in its gateway's queue (behind any of its band
-    /// or above already waiting: a newcomer does not overtake them).
+    /// or above already waiting: a newcomer does not overtake them); a sheddable band's
+    /// is refused at once.
     fn hold(&mut self, i: usize, now: f64) {
         let Some(a) = &self.o.admission else { return };
         let g = i % self.gws.len();
         let (priority, tenant) = a.class(i);
+        if a.config.sheddable(priority) {
+            self.shed[i] = true;
+            return;
+        }
         let arrival = Arrival {
             priority,
             tenant: tenant.to_string().into(),
             bytes: 64 + self.reqs[i].chain.len() * 8,
-            ttl: a.ttl(priority),
+            ttl: a.config.ttl(priority),
             item: i,
         };
         let at = self.at(now);
@@ -674,7 +683,7 @@ pub fn simulate_labelled(reqs: &[Request], o: &SimOpts, p: Policy, workload: &st
                         max_requests: 0,
                         max_bytes: 0,
                     },
-                    |a| a.limits,
+                    |a| a.limits(),
                 )),
                 look_pending: false,
             }

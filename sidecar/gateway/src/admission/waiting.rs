@@ -127,7 +127,8 @@ pub fn headroom(a: &AdmissionConfig) -> Headroom {
     }
 }
 
-fn limits(a: &AdmissionConfig) -> Limits {
+/// The queue bounds the config asks for.
+pub fn limits(a: &AdmissionConfig) -> Limits {
     Limits {
         max_requests: a.max_queued as usize,
         max_bytes: usize::try_from(a.max_queued_bytes).unwrap_or(usize::MAX),
