@@ -735,4 +735,78 @@ mod tests {
         bad.tenant_header = "X Tenant".into();
         assert!(bad.validate().is_err());
     }
+
+    /// Only a well-formed 202 queues and a well-formed 429 refuses; anything else the
+    /// filter did not expect fails open.
+    #[test]
+    fn queued_and_refused_answers_and_nothing_else() {
+        assert_eq!(
+            answer(Some("202"), Some(br#"{"ticket":7,"wait_ms":900}"#)),
+            Ok(Answer::Queued {
+                ticket: 7,
+                wait_ms: 900
+            })
+        );
+        assert_eq!(answer(Some("202"), Some(b"{}")), Err(Skip::BadAnswer));
+        assert_eq!(
+            answer(
+                Some("429"),
+                Some(br#"{"error":"x","reason":"expired","retry_after_s":2}"#)
+            ),
+            Ok(Answer::Refused(Refused {
+                reason: "expired".into(),
+                retry_after_s: 2
+            }))
+        );
+        assert_eq!(answer(Some("429"), Some(b"not json")), Err(Skip::BadAnswer));
+        assert_eq!(answer(Some("500"), None), Err(Skip::SidecarError));
+        let r = Refused {
+            reason: "queue_full".into(),
+            retry_after_s: 1,
+        };
+        let anthropic: serde_json::Value =
+            serde_json::from_slice(&refusal_body("/v1/messages?beta=true", &r)).expect("json");
+        assert_eq!(anthropic["type"], "error");
+        assert_eq!(anthropic["error"]["type"], "rate_limit_error");
+        let openai: serde_json::Value =
+            serde_json::from_slice(&refusal_body("/v1/chat/completions", &r)).expect("json");
+        assert_eq!(openai["error"]["code"], "queue_full");
+    }
+
+    /// The tenant is the trusted header if configured, else the fairness id, else the
+    /// API key's hash (never the key); a priority that is not a number is ignored.
+    #[test]
+    fn the_admission_class_comes_from_the_configured_headers() {
+        let mut c = cfg();
+        let h = FromHeaders {
+            tenant: Some("auth-tenant"),
+            fairness: Some("gie-tenant"),
+            api_key: Some("Bearer sk-secret"),
+            priority: Some("7"),
+            objective: Some("interactive"),
+            ..Default::default()
+        };
+        let a = h.admission(&c);
+        assert_eq!(
+            a.tenant.as_deref(),
+            Some("gie-tenant"),
+            "no tenant_header set"
+        );
+        assert_eq!(
+            (a.priority, a.objective.as_deref()),
+            (Some(7), Some("interactive"))
+        );
+        c.tenant_header = "x-tenant".into();
+        assert_eq!(h.admission(&c).tenant.as_deref(), Some("auth-tenant"));
+        let keyed = FromHeaders {
+            api_key: Some("Bearer sk-secret"),
+            priority: Some("high"),
+            ..Default::default()
+        }
+        .admission(&cfg());
+        let t = keyed.tenant.expect("a tenant from the key");
+        assert!(t.starts_with("key-") && !t.contains("secret"), "{t}");
+        assert_eq!(keyed.priority, None);
+        assert!(FromHeaders::default().admission(&cfg()).is_empty());
+    }
 }

@@ -13,6 +13,8 @@ fn check(ty: &str, json: &str) -> Result<(), String> {
             .map_err(|e| e.to_string()),
         "RouteRequest" => p::<RouteRequest>(json).map(|_| ()),
         "RouteResponse" => p::<RouteResponse>(json).map(|_| ()),
+        "RouteQueued" => p::<RouteQueued>(json).map(|_| ()),
+        "WaitRequest" => p::<WaitRequest>(json).map(|_| ()),
         "CompletionReport" => p::<CompletionReport>(json).map(|_| ()),
         "PodRegistration" => p::<PodRegistration>(json).map(|_| ()),
         "LoadDelta" => p::<LoadDelta>(json).map(|_| ()),

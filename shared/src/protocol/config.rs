@@ -470,3 +470,47 @@ impl PolicyConfig {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::Admission;
+
+    #[test]
+    fn a_requests_priority_picks_its_band() {
+        let a = AdmissionConfig {
+            objectives: [("interactive".to_string(), 10), ("batch".to_string(), -10)].into(),
+            bands: vec![
+                AdmissionBand {
+                    priority: -10,
+                    ttl_s: 5.0,
+                    sheddable: true,
+                },
+                AdmissionBand {
+                    priority: 10,
+                    ttl_s: 60.0,
+                    sheddable: false,
+                },
+            ],
+            ttl_s: 30.0,
+            ..AdmissionConfig::default()
+        };
+        let class = |priority: Option<i32>, objective: Option<&str>| Admission {
+            priority,
+            objective: objective.map(str::to_owned),
+            tenant: None,
+        };
+        assert_eq!(a.priority(&class(None, Some("interactive"))), 10);
+        assert_eq!(
+            a.priority(&class(Some(3), Some("interactive"))),
+            3,
+            "a number wins"
+        );
+        assert_eq!(a.priority(&class(None, Some("unknown"))), 0);
+        assert_eq!(a.ttl(10).as_secs(), 60);
+        assert_eq!(a.ttl(50).as_secs(), 60);
+        assert_eq!(a.ttl(0).as_secs(), 5, "the -10 band reaches up to 9");
+        assert_eq!(a.ttl(-11).as_secs(), 30, "below every band");
+        assert!(a.sheddable(-10) && a.sheddable(9) && !a.sheddable(10) && !a.sheddable(-11));
+    }
+}

@@ -38,6 +38,9 @@ pub struct LoadView {
     pub prefix_inflight: u32,
     /// Prompt blocks routed to the pod lately (see [`RecentWork`]).
     pub recent_blocks: f64,
+    /// The ledger's count of this pod's requests released so far (monotone): the
+    /// registry subtracts those released since the engine's last load report from it.
+    pub finished: u64,
 }
 
 /// When a pod's queued prefills should be done: prefills run one at a time, so each
@@ -486,6 +489,7 @@ mod tests {
                 queued: 0,
                 prefix_inflight: 0,
                 recent_blocks: 0.0,
+                finished: 0,
             },
         }
     }

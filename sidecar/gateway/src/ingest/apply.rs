@@ -96,6 +96,7 @@ pub(super) fn apply_events(
                     waiting: *waiting,
                     kv_usage: *kv_usage,
                     at: now,
+                    finished_before: sc.ledger().finished(&b.pod),
                 });
             }
             (Event::Shutdown | Event::Load { .. }, Source::Replay) => {}

@@ -31,6 +31,9 @@ pub(super) struct PodLoad {
     /// Sums over `remote`, kept with it so a route reads them in O(1).
     pub(super) remote_blocks: u64,
     pub(super) remote_inflight: u32,
+    /// Requests on this pod whose load was released (ours and other replicas'), ever:
+    /// what has finished since an engine's load report was taken.
+    pub(super) finished: u64,
 }
 
 #[derive(Default)]
@@ -83,6 +86,7 @@ impl Book {
         if let Some(p) = self.pods.get_mut(&d.placement.pod) {
             p.decode_blocks = p.decode_blocks.saturating_sub(d.placement.blocks);
             p.inflight = p.inflight.saturating_sub(1);
+            p.finished += 1;
         }
         if let Some(k) = d.placement.prefix {
             self.prefix_release(k, &d.placement.pod);
@@ -113,6 +117,7 @@ impl Book {
         p.remote_blocks = p.remote_blocks.saturating_sub(r.blocks);
         if r.inflight {
             p.remote_inflight = p.remote_inflight.saturating_sub(1);
+            p.finished += 1;
         }
         if let Some(k) = r.prefix {
             self.prefix_release(k, pod);
@@ -140,6 +145,7 @@ pub(super) fn view_of(
             queued: 0,
             prefix_inflight,
             recent_blocks: p.recent.value(t, cfg.home_window_s),
+            finished: p.finished,
         },
         None => LoadView {
             prefix_inflight,

@@ -183,6 +183,12 @@ impl Ledger {
         view_of(&book, pod, prefix, now, cfg)
     }
 
+    /// The pod's released requests so far ([`LoadView::finished`]), to stamp an engine
+    /// load report with when it arrives.
+    pub fn finished(&self, pod: &str) -> u64 {
+        self.book.lock().pods.get(pod).map_or(0, |p| p.finished)
+    }
+
     /// Views of several pods in one critical section.
     pub fn views(
         &self,

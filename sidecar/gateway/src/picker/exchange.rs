@@ -84,6 +84,8 @@ pub enum Outcome {
     Refused,
     /// Messages out of the protocol's order.
     BadStream,
+    /// Admission refused it while the model was saturated: answered 429.
+    Saturated,
 }
 
 impl Outcome {
@@ -99,6 +101,7 @@ impl Outcome {
             Outcome::Deadline => "deadline",
             Outcome::Refused => "refused",
             Outcome::BadStream => "bad_stream",
+            Outcome::Saturated => "saturated",
         }
     }
 }
@@ -148,6 +151,8 @@ pub struct Exchange {
     request_id: Option<String>,
     session: Option<String>,
     tenant: Option<String>,
+    /// The admission headers' values: priority, objective, fairness id, API key.
+    class: [Option<String>; 4],
     path: String,
     subset: Option<Vec<String>>,
     body: Vec<u8>,
@@ -177,6 +182,7 @@ impl Exchange {
             request_id: None,
             session: None,
             tenant: None,
+            class: Default::default(),
             path: String::new(),
             subset: None,
             body: Vec::new(),
@@ -278,6 +284,13 @@ impl Exchange {
         if !self.cfg.tenant_header.is_empty() {
             self.tenant = wire::header(h, &self.cfg.tenant_header);
         }
+        let named = |n: &str| (!n.is_empty()).then(|| wire::header(h, n)).flatten();
+        self.class = [
+            named(&self.cfg.priority_header),
+            named(&self.cfg.objective_header),
+            named(&self.cfg.fairness_header),
+            wire::header(h, "authorization").or_else(|| wire::header(h, "x-api-key")),
+        ];
         self.subset = subset;
         self.path = path.clone().unwrap_or_default();
         let pass = |me: &mut Exchange, o: Outcome| {
@@ -344,7 +357,10 @@ impl Exchange {
             request_id: self.request_id.as_deref(),
             session: self.session.as_deref(),
             tenant: self.tenant.as_deref(),
-            ..Default::default()
+            priority: self.class[0].as_deref(),
+            objective: self.class[1].as_deref(),
+            fairness: self.class[2].as_deref(),
+            api_key: self.class[3].as_deref(),
         };
         let built = logic::parse(&self.cfg, &self.path, &self.body).and_then(|req| {
             let s = self.settings.clone();
@@ -366,6 +382,22 @@ impl Exchange {
                 Step::Reply(self.flush(Some(self.strip()), None, !self.trailers_owed))
             }
         }
+    }
+
+    /// Admission refused the request (`reason`, a stable label): the client gets `429`
+    /// with `Retry-After` and an error body shaped as its API's, as from the filter.
+    pub fn refused(&mut self, reason: &str, retry_after_s: u32) -> Vec<ProcessingResponse> {
+        if self.state != State::Routing {
+            self.settle(Outcome::BadStream);
+            return Vec::new();
+        }
+        self.settle(Outcome::Saturated);
+        self.state = State::Passing;
+        let r = logic::Refused {
+            reason: reason.to_owned(),
+            retry_after_s,
+        };
+        vec![wire::refused(&logic::refusal_body(&self.path, &r), &r)]
     }
 
     /// The sidecar decided (`at` is when): steer, refuse, or let the request go as it is.

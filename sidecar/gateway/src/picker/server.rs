@@ -20,6 +20,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tonic_health::ServingStatus;
 
 use super::exchange::{Exchange, RouteJob, Settings, Step};
+use crate::admission::{Admitted, Shed, Verdict};
 use crate::route::{self, RouteError};
 use crate::state::Sidecar;
 
@@ -100,8 +101,13 @@ impl Picker {
                 Step::Reply(r) => r,
                 Step::Route(job) => {
                     let model = job.req.model.clone();
-                    let r = self.route(*job).await;
-                    ex.routed(&model, r, Instant::now())
+                    match self.route(*job, &tx).await {
+                        Picked::Decided(r) => ex.routed(&model, r, Instant::now()),
+                        Picked::Refused(why) => {
+                            let retry = self.sc.config().admission.retry_after_s;
+                            ex.refused(why.label(), retry)
+                        }
+                    }
                 }
             };
             if let Some(o) = ex.take_outcome() {
@@ -118,7 +124,54 @@ impl Picker {
         }
     }
 
-    async fn route(&self, job: RouteJob) -> Result<RouteResponse, RouteError> {
+    /// Route a request; with admission on and the model saturated it waits in the
+    /// queue, for as long as its band's TTL, while its stream lasts (the stream ending
+    /// takes it out: the wait's `Claim` is dropped).
+    async fn route(
+        &self,
+        job: RouteJob,
+        tx: &mpsc::Sender<Result<ProcessingResponse, Status>>,
+    ) -> Picked {
+        let admission = self.sc.config().admission.enabled && job.subset.is_none();
+        if !admission {
+            return Picked::Decided(self.route_now(job).await);
+        }
+        let deadline = Some(SystemTime::now() + self.deadline);
+        let sc = self.sc.clone();
+        let model = job.req.model.clone();
+        let admit = move || {
+            let req = route::tokenized(&sc, job.req);
+            sc.waiting.admit(&sc, req, deadline, Instant::now())
+        };
+        let admitted = match tokio::task::spawn_blocking(admit).await {
+            Ok(a) => a,
+            Err(_) => return Picked::Decided(Err(RouteError::DeadlinePassed)),
+        };
+        let (ticket, wait) = match admitted {
+            Ok(Admitted::Routed(r)) => return Picked::Decided(Ok(r)),
+            Ok(Admitted::Refused(why)) => return Picked::Refused(why),
+            Err(e) => return Picked::Decided(Err(e)),
+            Ok(Admitted::Queued { ticket, wait }) => (ticket, wait),
+        };
+        let waiting = self.sc.waiting.wait(&self.sc, &model, ticket);
+        let mut stop = self.stop.clone();
+        tokio::select! {
+            v = waiting => match v {
+                Verdict::Routed(r) => Picked::Decided(Ok(r)),
+                Verdict::Refused(why) => Picked::Refused(why),
+                Verdict::Failed(e) => Picked::Decided(Err(e)),
+                // Unsteered, as the filter does.
+                Verdict::Stopping => Picked::Decided(Err(RouteError::DeadlinePassed)),
+            },
+            () = tx.closed() => Picked::Decided(Err(RouteError::DeadlinePassed)),
+            () = stop.wait() => Picked::Decided(Err(RouteError::DeadlinePassed)),
+            () = tokio::time::sleep(wait + Duration::from_secs(1)) => {
+                Picked::Decided(Err(RouteError::DeadlinePassed))
+            }
+        }
+    }
+
+    async fn route_now(&self, job: RouteJob) -> Result<RouteResponse, RouteError> {
         let deadline = Some(SystemTime::now() + self.deadline);
         let sc = self.sc.clone();
         // Tokenizing, and long chains, take milliseconds: off the async workers.
@@ -132,6 +185,13 @@ impl Picker {
             Err(_) => Err(RouteError::DeadlinePassed),
         }
     }
+}
+
+/// What became of a picker request's route.
+enum Picked {
+    Decided(Result<RouteResponse, RouteError>),
+    /// Admission refused it (answered 429).
+    Refused(Shed),
 }
 
 /// Serve the picker on `listener` until `stop`; readiness follows [`Sidecar::ready`],

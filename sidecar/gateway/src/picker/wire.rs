@@ -170,6 +170,26 @@ pub fn immediate(status: u16, reason: &str, message: &str) -> ProcessingResponse
     }))
 }
 
+/// Answer a request admission refused: `429` with `Retry-After` and `body` (the API's
+/// own error shape, `logic::refusal_body`).
+pub fn refused(body: &[u8], r: &kvroute_filter::logic::Refused) -> ProcessingResponse {
+    let mutation = HeaderMutation {
+        set_headers: vec![
+            set("content-type", "application/json"),
+            set("retry-after", &r.retry_after_s.to_string()),
+            set("x-kvroute-refused", &r.reason),
+        ],
+        ..Default::default()
+    };
+    answer(Resp::ImmediateResponse(ImmediateResponse {
+        status: Some(HttpStatus { code: 429 }),
+        headers: Some(mutation),
+        body: body.to_vec(),
+        details: format!("kvroute_{}", r.reason),
+        ..Default::default()
+    }))
+}
+
 /// A header set (replacing any value already there).
 pub fn set(key: &str, value: &str) -> HeaderValueOption {
     HeaderValueOption {

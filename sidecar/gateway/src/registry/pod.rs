@@ -17,6 +17,9 @@ pub struct EngineLoad {
     pub waiting: u32,
     pub kv_usage: f64,
     pub at: Instant,
+    /// The ledger's released count for the pod when the report arrived: requests
+    /// released after it had finished in the engine too, and no longer count.
+    pub finished_before: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -69,8 +72,14 @@ impl Pod {
         let mut v = projected;
         if let Some(e) = self.engine {
             if now.saturating_duration_since(e.at).as_secs_f64() < ENGINE_LOAD_FRESH_S {
-                v.inflight = v.inflight.max(e.running.saturating_add(e.waiting));
-                v.queued = e.waiting;
+                // The report is a snapshot: what finished since then has left the engine
+                // (an admission gate that kept counting it would hold the pod full until
+                // the next report).
+                let done = u32::try_from(projected.finished.saturating_sub(e.finished_before))
+                    .unwrap_or(u32::MAX);
+                let engine = e.running.saturating_add(e.waiting).saturating_sub(done);
+                v.inflight = v.inflight.max(engine);
+                v.queued = e.waiting.saturating_sub(done);
             }
         }
         v
@@ -105,5 +114,45 @@ impl Pod {
 
     pub fn role(&self) -> Role {
         self.reg.role
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An engine's report counts what it ran then; requests released since have left
+    /// it, so a pod that just finished its batch is not held full until the next report.
+    #[test]
+    fn releases_since_the_engine_report_are_not_counted_again() {
+        let now = Instant::now();
+        let reg: PodRegistration =
+            serde_json::from_value(serde_json::json!({"model": "m"})).expect("reg");
+        let mut p = Pod::new("10.0.0.1:8000", reg, true, now);
+        p.engine = Some(EngineLoad {
+            running: 2,
+            waiting: 1,
+            kv_usage: 0.5,
+            at: now,
+            finished_before: 10,
+        });
+        let view = |finished: u64, inflight: u32| {
+            p.load_view(
+                LoadView {
+                    inflight,
+                    finished,
+                    ..LoadView::default()
+                },
+                now,
+            )
+        };
+        assert_eq!((view(10, 0).inflight, view(10, 0).queued), (3, 1));
+        assert_eq!((view(12, 0).inflight, view(12, 0).queued), (1, 0));
+        assert_eq!(view(20, 0).inflight, 0, "never below zero");
+        assert_eq!(
+            view(12, 2).inflight,
+            2,
+            "the router's own count still holds"
+        );
     }
 }

@@ -395,6 +395,48 @@ fn the_subset_hint_goes_to_the_route_and_an_empty_choice_is_503() {
     assert!(ex.report(Instant::now()).is_none(), "nothing was committed");
 }
 
+/// A request admission refused is answered 429 with `Retry-After`, its API's error
+/// body and its admission class taken from the headers, as the filter does.
+#[test]
+fn a_refused_request_is_answered_429_with_retry_after() {
+    let mut ex = exchange();
+    let h = headers(
+        &[
+            (":method", "POST"),
+            (":path", "/v1/messages"),
+            ("x-gateway-inference-objective", "interactive"),
+            ("x-gateway-inference-fairness-id", "team-a"),
+        ],
+        false,
+    );
+    ex.on_message(first(BodySendMode::Buffered, false, h, None));
+    let body = br#"{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"hi"}]}"#;
+    let j = job(ex.on_message(chunk(body, true)));
+    assert_eq!(j.req.admission.objective.as_deref(), Some("interactive"));
+    assert_eq!(j.req.admission.tenant.as_deref(), Some("team-a"));
+    let r = ex.refused("expired", 3);
+    let Some(Resp::ImmediateResponse(i)) = &r[0].response else {
+        panic!("{r:?}")
+    };
+    assert_eq!(i.status.map(|s| s.code), Some(429));
+    let hs = &i.headers.as_ref().expect("headers").set_headers;
+    let get = |k: &str| {
+        hs.iter()
+            .filter_map(|h| h.header.as_ref())
+            .find(|h| h.key == k)
+            .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned())
+    };
+    assert_eq!(get("retry-after").as_deref(), Some("3"));
+    assert_eq!(get("x-kvroute-refused").as_deref(), Some("expired"));
+    let b: serde_json::Value = serde_json::from_slice(&i.body).expect("json");
+    assert_eq!(
+        b["error"]["type"], "rate_limit_error",
+        "Anthropic's shape: {b}"
+    );
+    assert_eq!(ex.take_outcome(), Some(Outcome::Saturated));
+    assert!(ex.report(Instant::now()).is_none(), "nothing was committed");
+}
+
 #[test]
 fn no_pod_and_late_decisions_fail_open() {
     for (e, o) in [
