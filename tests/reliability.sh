@@ -6,6 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$(mktemp)
 cargo test -p kvroute-tests --test faults -- --nocapture --test-threads 1 2>&1 | tee "$out" | grep -oE "RELIABILITY\|.*|^test result.*" || true
+# Overload with admission on lives in its own end-to-end test.
+cargo test -p kvroute-tests --test overload_e2e -- --nocapture 2>&1 | tee -a "$out" | grep -oE "RELIABILITY\|.*|^test result.*" || true
 # The long NATS outage lives with the other NATS tests.
 cargo test -p kvroute-tests --test sidecar_nats a_long_nats_outage -- --nocapture 2>&1 | tee -a "$out" | grep -oE "RELIABILITY\|.*|^test result.*" || true
 {

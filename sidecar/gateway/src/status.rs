@@ -92,6 +92,14 @@ pub fn snapshot(sc: &Sidecar) -> Value {
     let m = &sc.metrics;
     let decisions: u64 = m.decisions.snapshot().iter().map(|(_, n)| n).sum();
     let as_map = |v: Vec<(String, u64)>| v.into_iter().collect::<BTreeMap<_, _>>();
+    // The admission queues per model, band and tenant: the largest first, at most 50.
+    let mut queued = sc.waiting.depths();
+    queued.sort_by(|a, b| b.3.cmp(&a.3));
+    let queued: Vec<Value> = queued
+        .into_iter()
+        .take(50)
+        .map(|(m, p, t, n)| json!({"model": m, "priority": p, "tenant": &*t, "requests": n}))
+        .collect();
     json!({
         "replica": sc.ledger().replica(),
         "uptime_s": now.duration_since(sc.started).as_secs_f64(),
@@ -106,6 +114,7 @@ pub fn snapshot(sc: &Sidecar) -> Value {
             "mispredictions": m.mispredictions.get(),
             "precise_prompts": as_map(m.precise.snapshot()),
             "picker_requests": as_map(m.picker.snapshot()),
+            "admission": as_map(m.admission.snapshot()),
             "inflight": sc.ledger().outstanding(),
         },
         "memory": {
@@ -114,6 +123,7 @@ pub fn snapshot(sc: &Sidecar) -> Value {
             "tokenize_budget_bytes": sc.tokenize_budget.cap(),
         },
         "bindings": sc.bindings.status(cfg.max_bindings),
+        "admission": {"enabled": cfg.admission.enabled, "queued": queued},
         "agreement": sc.agreement.snapshot(),
         "models": models.into_values().collect::<Vec<_>>(),
         "pods": pods_json,

@@ -80,6 +80,18 @@ function drawStatus(s, d) {
   $("t-picker").textContent = `${fmt(steered)} / ${fmt(sum(pk) - steered)}`;
   $("t-picker").title = Object.entries(pk).map(([k, v]) => `${k}: ${v}`).join(", ") || "no picker requests";
 
+  // Admission: requests waiting now (a model with any is saturated) and those refused.
+  const ad = c.admission || {};
+  const adm = s.admission || { enabled: false, queued: [] };
+  const waiting = (adm.queued || []).reduce((n, q) => n + q.requests, 0);
+  const refused = ["queue_full", "too_large", "shed", "expired", "displaced", "unclaimed"]
+    .reduce((n, k) => n + (ad[k] ?? 0), 0);
+  $("t-admission").textContent = adm.enabled ? `${fmt(waiting)} / ${fmt(refused)}` : "off";
+  $("t-admission").title = adm.enabled
+    ? [...(adm.queued || []).map((q) => `${q.model} priority ${q.priority} tenant ${q.tenant || "-"}: ${q.requests}`),
+       ...Object.entries(ad).map(([k, v]) => `${k}: ${v}`)].join("\n") || "nothing queued"
+    : "admission is off (policy config)";
+
   const agreement = Object.fromEntries((s.agreement || []).map((a) => [a.model, a]));
   rows($("models").tBodies[0], s.models.map((m) => {
     const a = agreement[m.model];
