@@ -94,7 +94,7 @@ pub fn snapshot(sc: &Sidecar) -> Value {
     let as_map = |v: Vec<(String, u64)>| v.into_iter().collect::<BTreeMap<_, _>>();
     // The admission queues per model, band and tenant: the largest first, at most 50.
     let mut queued = sc.waiting.depths();
-    queued.sort_by(|a, b| b.3.cmp(&a.3));
+    queued.sort_by_key(|q| std::cmp::Reverse(q.3));
     let queued: Vec<Value> = queued
         .into_iter()
         .take(50)
