@@ -72,8 +72,14 @@ fn the_high_band_overtakes_and_the_low_band_is_shed_not_lost() {
 }
 
 fn overload(seed: u64) {
+    overload_with(seed, 1);
+}
+
+fn overload_with(seed: u64, gateways: usize) -> (f64, f64, u64) {
     let o = SimOpts {
         seed,
+        gateways,
+        delta_delay_s: 0.02,
         ..SimOpts::new(PODS, 16384, 16)
     };
     let reqs = sim::generated("sglang-shared-prefix", 16, RATE, seed).expect("workload");
@@ -106,7 +112,7 @@ fn overload(seed: u64) {
         Policy::Kvroute,
     );
     eprintln!(
-        "seed {seed}: high band alone: p99 {:.0} ms | no queue: hit {:.3}, high p99 {:.0} ms | queue: hit {:.3}, high p99 {:.0} ms, {} queued, {} shed, peak {} bytes",
+        "seed {seed}, {gateways} gateway(s): high band alone: p99 {:.0} ms | no queue: hit {:.3}, high p99 {:.0} ms | queue: hit {:.3}, high p99 {:.0} ms, {} queued, {} shed, peak {} bytes",
         floor.ttft_p99_ms,
         open.hit_rate,
         class(&open, 1, 0).ttft_p99_ms,
@@ -130,8 +136,9 @@ fn overload(seed: u64) {
     for t in [0, 1] {
         let (h, o) = (class(&gated, 1, t), class(&open, 1, t));
         assert_eq!(h.shed, 0, "the high band is never shed: {h:?}");
+        // One gateway's target; replicas are judged against one gateway below.
         assert!(
-            h.ttft_p99_ms <= 1.2 * floor.ttft_p99_ms,
+            gateways > 1 || h.ttft_p99_ms <= 1.2 * floor.ttft_p99_ms,
             "high band p99 {:.0} ms (no queue {:.0}, alone {:.0})",
             h.ttft_p99_ms,
             o.ttft_p99_ms,
@@ -152,4 +159,30 @@ fn overload(seed: u64) {
         gated.hit_rate,
         open.hit_rate
     );
+    let high_p99 = [0, 1]
+        .map(|t| class(&gated, 1, t).ttft_p99_ms)
+        .into_iter()
+        .fold(0.0, f64::max);
+    (gated.hit_rate, high_p99, gated.shed)
+}
+
+/// Four gateway replicas, each with its own queue, exchanging load deltas 20 ms late:
+/// the hit rate and what is shed stay within 5% of one gateway's. The high band's p99 does
+/// not (421 vs 249 ms on seed 1; printed, not asserted): a replica's gate sees the
+/// others' dispatches 20 ms late, so together they fill the slots kept for the high band,
+/// and a low request at one replica cannot know a high one waits at another.
+#[test]
+fn four_gateways_queue_as_well_as_one() {
+    for seed in 1..=2 {
+        let (hit1, p99_1, shed1) = overload_with(seed, 1);
+        let (hit4, p99_4, shed4) = overload_with(seed, 4);
+        eprintln!(
+            "seed {seed}: 1 gateway hit {hit1:.3} high p99 {p99_1:.0} ms shed {shed1} | 4 gateways hit {hit4:.3} high p99 {p99_4:.0} ms shed {shed4}"
+        );
+        assert!(hit4 >= 0.95 * hit1, "hit {hit4:.3} vs {hit1:.3}");
+        assert!(
+            shed4 as f64 <= 1.05 * shed1 as f64,
+            "shed {shed4} vs {shed1}"
+        );
+    }
 }
