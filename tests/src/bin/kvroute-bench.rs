@@ -120,6 +120,13 @@ enum Cmd {
         /// CJK); each chain block is 256 canonical bytes.
         #[arg(long, value_delimiter = ',')]
         text_bytes_per_token: Vec<f64>,
+        /// With `admission.enabled` in --config: request i's priority is
+        /// `priorities[i % n]` (e.g. 1,0,0,0: a quarter high) ...
+        #[arg(long, value_delimiter = ',')]
+        priorities: Vec<i32>,
+        /// ... and its tenant `tenants[i % n]` (e.g. ten 0s and a 1: 10:1).
+        #[arg(long, value_delimiter = ',')]
+        tenants: Vec<u32>,
     },
     /// kvroute beside the real routers (smg, vllm-router; `make peers-deps`) on the same
     /// engines and workloads, in one run.
@@ -236,6 +243,8 @@ fn main() -> anyhow::Result<()> {
             delta_delay_ms,
             config,
             text_bytes_per_token,
+            priorities,
+            tenants,
         } => {
             use kvroute_tests::sim::{self, Policy, SimOpts};
             let policies: Vec<Policy> = match policies {
@@ -332,7 +341,12 @@ fn main() -> anyhow::Result<()> {
                         bytes_per_token: text_bytes_per_token.clone(),
                     }),
                     dp_ranks: dp_ranks.max(1),
-                    admission: None,
+                    // The router's queue while saturated, as the config describes it.
+                    admission: config.admission.enabled.then(|| sim::SimAdmission {
+                        config: config.admission.clone(),
+                        priority: priorities.clone(),
+                        tenant: tenants.clone(),
+                    }),
                 };
                 let res = sim::compare(label, reqs, &o, &policies);
                 if let Some(p) = &svg {

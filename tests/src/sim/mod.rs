@@ -209,7 +209,7 @@ impl SimResult {
                "hit_rate": r(self.hit_rate), "ttft_mean_ms": r(self.ttft_mean_ms),
                "ttft_p50_ms": r(self.ttft_p50_ms), "ttft_p99_ms": r(self.ttft_p99_ms), "e2e_mean_ms": r(self.e2e_mean_ms),
                "e2e_p99_ms": r(self.e2e_p99_ms), "throughput_rps": r(self.throughput_rps), "max_mean_load": r(self.max_mean_load),
-               "mispredictions": self.mispredictions})
+               "mispredictions": self.mispredictions, "queued": self.queued, "shed": self.shed})
     }
 }
 
