@@ -168,9 +168,9 @@ fn overload_with(seed: u64, gateways: usize) -> (f64, f64, u64) {
 
 /// Four gateway replicas, each with its own queue, exchanging load deltas 20 ms late:
 /// the hit rate and what is shed stay within 5% of one gateway's. The high band's p99 does
-/// not (421 vs 249 ms on seed 1; printed, not asserted): a replica's gate sees the
-/// others' dispatches 20 ms late, so together they fill the slots kept for the high band,
-/// and a low request at one replica cannot know a high one waits at another.
+/// not (421 vs 249 ms on seed 1; printed, not asserted): with deltas that arrive at once
+/// it matches one gateway's exactly, so the tail is a high request sent where another
+/// replica had just sent a low prefill it had not heard of (docs/policy.md).
 #[test]
 fn four_gateways_queue_as_well_as_one() {
     for seed in 1..=2 {
