@@ -454,6 +454,11 @@ impl Context for Http {
             }
             Err(reason) => {
                 sh.metrics.skip(reason);
+                // A wait call that failed or timed out: the request goes on unsteered, so
+                // the sidecar must not dispatch it later.
+                if let Some(t) = waiting {
+                    sh.cancel_wait(&model, t);
+                }
                 None
             }
         };
