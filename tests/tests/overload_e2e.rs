@@ -260,9 +260,11 @@ async fn overload_queues_in_the_router_by_priority() {
             "no request waits past its TTL: {s:?}"
         );
     }
-    // The queue was in the router, not in the engines.
+    // The queue was in the router, not in the engines (without it 16 clients on two
+    // engines of batch 2 keep about 6 waiting in each; a report that reaches the sidecar
+    // after the engine's load report may let one more through for a moment).
     assert!(
-        worst_waiting <= 1.0,
+        worst_waiting <= 2.0,
         "engines' waiting lines stayed bounded ({worst_waiting})"
     );
     // The openai client saw 429s and retried after Retry-After each time.
