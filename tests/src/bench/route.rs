@@ -2,7 +2,8 @@
 //! over its Unix socket (the filter's path) and over TCP, with concurrent clients on
 //! keep-alive connections; then p50/p99 latency at half the measured rate. 16 pods, a
 //! preloaded index, 128-block chains. Client and sidecar share the machine's two cores,
-//! as a gateway and its sidecar do.
+//! as a gateway and its sidecar do. Then, in process, what admission adds to a route
+//! below saturation.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -53,9 +54,9 @@ async fn conn(t: &Target) -> anyhow::Result<SendRequest<Full<Bytes>>> {
     }
 }
 
-async fn one(s: &mut SendRequest<Full<Bytes>>, body: Bytes) -> anyhow::Result<u16> {
+async fn one(s: &mut SendRequest<Full<Bytes>>, host: &str, body: Bytes) -> anyhow::Result<u16> {
     let req = hyper::Request::post("/v1/route")
-        .header("host", "kvroute-sidecar")
+        .header("host", host)
         .header("content-type", "application/json")
         .body(Full::new(body))?;
     let resp = s.send_request(req).await?;
@@ -91,17 +92,22 @@ async fn drive(
                 errors.fetch_add(1, Ordering::Relaxed);
                 return samples;
             };
+            // The TCP listener refuses a Host that is not an address (DNS rebinding).
+            let host = match &*t {
+                Target::Uds(_) => "kvroute-sidecar".to_owned(),
+                Target::Tcp(a) => a.to_string(),
+            };
             let mut rng = Rng(c as u64 + 1);
             let start = Instant::now();
             let mut i = 0u64;
             while !stop.load(Ordering::Relaxed) {
-                if let Some(r) = rate_per_client {
+                if let Some(r) = rate_per_client.filter(|r| *r > 0.0) {
                     let due = start + Duration::from_secs_f64(i as f64 / r);
                     tokio::time::sleep_until(due.into()).await;
                 }
                 let body = bodies[rng.below(bodies.len())].clone();
                 let t0 = Instant::now();
-                match one(&mut s, body).await {
+                match one(&mut s, &host, body).await {
                     Ok(200) => {
                         samples.push(t0.elapsed().as_nanos() as u64);
                         done.fetch_add(1, Ordering::Relaxed);
@@ -275,8 +281,117 @@ pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
     out["json_decode_chain_us"] = json!(dec_s.pct(50.0) as f64 / 1e3);
     out["json_decode_8k_chain_us"] = json!(dec.pct(50.0) as f64 / 1e3);
     drop(sc);
+    admission_cost(o, &prompts, &mut out)?;
     precise(o, dur, &mut out).await?;
     Ok(out)
+}
+
+/// What admission adds to a route below saturation, in process: the same requests
+/// routed (and reported) by a sidecar without admission and by one with it on (the
+/// queue check, the gate over the candidates), interleaved request by request so both
+/// see the same machine.
+fn admission_cost(
+    o: &Opts,
+    prompts: &[Vec<u64>],
+    out: &mut serde_json::Value,
+) -> anyhow::Result<()> {
+    use kvroute_shared::protocol::{
+        AdmissionConfig, CompletionReport, PodRegistration, PolicyConfig,
+    };
+    let plain = PolicyConfig::default();
+    let gated = PolicyConfig {
+        admission: AdmissionConfig {
+            enabled: true,
+            max_backlog_s: 3600.0,
+            max_inflight: 1 << 20,
+            ..AdmissionConfig::default()
+        },
+        ..PolicyConfig::default()
+    };
+    let mut sides = Vec::new();
+    for cfg in [plain, gated] {
+        let (sc, ch) = kvroute_sidecar::Sidecar::new(cfg).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        let rec = kvroute_sidecar::Recovery::default();
+        for p in 0..o.pods {
+            let pod = format!("10.0.0.{}:8000", p + 1);
+            let reg: PodRegistration = serde_json::from_value(json!({"model": "bench"}))?;
+            sc.register(&pod, reg).map_err(|e| anyhow::anyhow!("{e}"))?;
+        }
+        for (i, c) in prompts.iter().enumerate() {
+            let pod = format!("10.0.0.{}:8000", i % o.pods + 1);
+            let ev = kvroute_shared::protocol::Event::Stored {
+                tier: Tier::Gpu,
+                parent: None,
+                blocks: c.clone(),
+                tokens: None,
+            };
+            let b = batch(&pod, "bench", "e", (i / o.pods) as u64 + 1, vec![ev]);
+            kvroute_sidecar::ingest_at(&sc, &rec, &b, Instant::now())
+                .map_err(|e| anyhow::anyhow!("admission bench: events refused: {e:?}"))?;
+        }
+        sides.push((sc, ch));
+    }
+    let mut times = [Samples::default(), Samples::default()];
+    for i in 0..20_000usize {
+        let req = RouteRequest {
+            model: "bench".into(),
+            adapter: String::new(),
+            mode: kvroute_shared::Mode::Tokens,
+            block_size: 16,
+            chain: prompts[(i * 7) % prompts.len()].clone(),
+            prompt_tokens: o.chain_blocks as u32 * 16,
+            request_id: None,
+            session: None,
+            previous_response: None,
+            role: None,
+            dry_run: false,
+            explain: false,
+            prompt_body: None,
+            admission: Default::default(),
+        };
+        // Alternate which goes first, so neither always finds the caches warm.
+        for k in [i % 2, 1 - i % 2] {
+            let sc = &sides[k].0;
+            let t = Instant::now();
+            let answer = if k == 0 {
+                match kvroute_sidecar::route_until(sc, &req, None) {
+                    Ok(r) => Some(r),
+                    Err(e) => anyhow::bail!("admission bench: not routed: {e}"),
+                }
+            } else {
+                match sc.waiting.admit(sc, req.clone(), None, Instant::now()) {
+                    Ok(kvroute_sidecar::admission::Admitted::Routed(r)) => Some(r),
+                    other => anyhow::bail!("admission bench: not routed at once: {other:?}"),
+                }
+            };
+            times[k].push(t.elapsed().as_nanos() as u64);
+            let Some(a) = answer else {
+                anyhow::bail!("admission bench: a route was not answered at once");
+            };
+            kvroute_sidecar::report(
+                sc,
+                &CompletionReport {
+                    decision: a.decision.unwrap_or_default(),
+                    pod: a.pod,
+                    status: 200,
+                    ..Default::default()
+                },
+            );
+        }
+    }
+    let [mut off, mut on] = times;
+    let (off50, on50) = (off.pct(50.0), on.pct(50.0));
+    let ratio = on50 as f64 / off50.max(1) as f64;
+    println!(
+        "  admission on, unsaturated (in process, interleaved): route p50 {:.1} us vs {:.1} us off ({:.3}x); p99 {:.1} vs {:.1} us",
+        on50 as f64 / 1e3,
+        off50 as f64 / 1e3,
+        ratio,
+        on.pct(99.0) as f64 / 1e3,
+        off.pct(99.0) as f64 / 1e3
+    );
+    out["admission_route_p50_ratio"] = json!(ratio);
+    Ok(())
 }
 
 /// The same over the socket for chat requests the sidecar tokenizes (`--tokenizer`,
