@@ -74,20 +74,9 @@ proptest! {
         cut in any::<usize>(),
     ) {
         let req = RouteRequest {
-            model: "m".into(),
-            adapter: String::new(),
-            mode: kvroute_shared::Mode::Tokens,
-            block_size: 16,
-            chain,
             prompt_tokens: 7,
             request_id: Some("r".into()),
-            session: None,
-            previous_response: None,
-            role: None,
-            dry_run: false,
-            explain: false,
-            prompt_body: None,
-            admission: Default::default(),
+            ..RouteRequest::tokens("m", 16, chain)
         };
         let mut bytes = req.encode_binary();
         prop_assert_eq!(RouteRequest::decode_binary(&bytes).ok(), Some(req.clone()));

@@ -187,22 +187,7 @@ pub fn chat_route_req(model: &str, body: &Value) -> RouteRequest {
 }
 
 pub fn route_req(model: &str, chain: &[u64], block_size: u32) -> RouteRequest {
-    RouteRequest {
-        model: model.into(),
-        adapter: String::new(),
-        mode: Mode::Tokens,
-        block_size,
-        chain: chain.to_vec(),
-        prompt_tokens: chain.len() as u32 * block_size,
-        request_id: None,
-        session: None,
-        previous_response: None,
-        role: None,
-        dry_run: false,
-        explain: false,
-        prompt_body: None,
-        admission: Default::default(),
-    }
+    RouteRequest::tokens(model, block_size, chain.to_vec())
 }
 
 pub fn batch(pod: &str, model: &str, epoch: &str, seq: u64, events: Vec<Event>) -> EventBatch {

@@ -118,6 +118,32 @@ pub struct RouteRequest {
     pub admission: Admission,
 }
 
+impl RouteRequest {
+    /// A request to route a token chain of `model`, `prompt_tokens` being the chain's
+    /// blocks' worth, with nothing else set (tools, tests and benchmarks fill in the rest
+    /// with struct update syntax).
+    pub fn tokens(model: &str, block_size: u32, chain: Vec<u64>) -> RouteRequest {
+        RouteRequest {
+            model: model.to_owned(),
+            adapter: String::new(),
+            mode: Mode::Tokens,
+            block_size,
+            prompt_tokens: u32::try_from(chain.len())
+                .unwrap_or(u32::MAX)
+                .saturating_mul(block_size),
+            chain,
+            request_id: None,
+            session: None,
+            previous_response: None,
+            role: None,
+            dry_run: false,
+            explain: false,
+            prompt_body: None,
+            admission: Admission::default(),
+        }
+    }
+}
+
 /// A request's class for the admission queue: its priority (a number, or the name of a
 /// Gateway API Inference Extension objective the policy maps to one) and the tenant
 /// whose share of dispatches it counts against.

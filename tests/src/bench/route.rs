@@ -183,20 +183,9 @@ pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
                 prompts[(i as usize * 7) % prompts.len()].clone()
             };
             let r = RouteRequest {
-                model: model.into(),
-                adapter: String::new(),
-                mode: kvroute_shared::Mode::Tokens,
-                block_size: 16,
-                chain: c,
-                prompt_tokens: o.chain_blocks as u32 * 16,
                 request_id: Some(format!("b{i}")),
-                session: None,
-                previous_response: None,
-                role: None,
                 dry_run: true,
-                explain: false,
-                prompt_body: None,
-                admission: Default::default(),
+                ..RouteRequest::tokens(model, 16, c)
             };
             Bytes::from(serde_json::to_vec(&r).unwrap_or_default())
         })
@@ -244,22 +233,7 @@ pub async fn run(o: &Opts) -> anyhow::Result<serde_json::Value> {
         out[format!("{name}_errors")] = json!(errs + herrs);
     }
     // Cost of decoding a long chain as JSON (the case for a binary body).
-    let long = RouteRequest {
-        model: model.into(),
-        adapter: String::new(),
-        mode: kvroute_shared::Mode::Tokens,
-        block_size: 16,
-        chain: chain(model, 7, 8192, 16),
-        prompt_tokens: 8192 * 16,
-        request_id: None,
-        session: None,
-        previous_response: None,
-        role: None,
-        dry_run: false,
-        explain: false,
-        prompt_body: None,
-        admission: Default::default(),
-    };
+    let long = RouteRequest::tokens(model, 16, chain(model, 7, 8192, 16));
     let long_json = serde_json::to_vec(&long)?;
     let mut dec = Samples::default();
     for _ in 0..200 {
@@ -333,22 +307,7 @@ fn admission_cost(
     }
     let mut times = [Samples::default(), Samples::default()];
     for i in 0..20_000usize {
-        let req = RouteRequest {
-            model: "bench".into(),
-            adapter: String::new(),
-            mode: kvroute_shared::Mode::Tokens,
-            block_size: 16,
-            chain: prompts[(i * 7) % prompts.len()].clone(),
-            prompt_tokens: o.chain_blocks as u32 * 16,
-            request_id: None,
-            session: None,
-            previous_response: None,
-            role: None,
-            dry_run: false,
-            explain: false,
-            prompt_body: None,
-            admission: Default::default(),
-        };
+        let req = RouteRequest::tokens("bench", 16, prompts[(i * 7) % prompts.len()].clone());
         // Alternate which goes first, so neither always finds the caches warm.
         for k in [i % 2, 1 - i % 2] {
             let sc = &sides[k].0;

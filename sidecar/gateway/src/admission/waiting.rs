@@ -524,7 +524,6 @@ mod tests {
     use kvroute_shared::protocol::{
         AdmissionBand, CompletionReport, PodRegistration, PolicyConfig,
     };
-    use kvroute_shared::Mode;
 
     /// Two pods taking one request each, a high band (priority 5, 30 s) above the
     /// default one (10 s) and a sheddable band below 0.
@@ -570,24 +569,13 @@ mod tests {
 
     fn req(n: u64, priority: Option<i32>, objective: Option<&str>) -> RouteRequest {
         RouteRequest {
-            model: "m".into(),
-            adapter: String::new(),
-            mode: Mode::Tokens,
-            block_size: 16,
-            chain: (n * 100..n * 100 + 8).collect(),
-            prompt_tokens: 128,
             request_id: Some(format!("r{n}")),
-            session: None,
-            previous_response: None,
-            role: None,
-            dry_run: false,
-            explain: false,
-            prompt_body: None,
             admission: kvroute_shared::protocol::Admission {
                 priority,
                 objective: objective.map(str::to_owned),
                 tenant: None,
             },
+            ..RouteRequest::tokens("m", 16, (n * 100..n * 100 + 8).collect())
         }
     }
 

@@ -734,20 +734,8 @@ mod tests {
 
     fn tokens_req(chain: Vec<u64>, request_id: &str) -> RouteRequest {
         RouteRequest {
-            model: "m".into(),
-            adapter: String::new(),
-            mode: Mode::Tokens,
-            block_size: 16,
-            prompt_tokens: chain.len() as u32 * 16,
-            chain,
             request_id: Some(request_id.into()),
-            session: None,
-            previous_response: None,
-            role: None,
-            dry_run: false,
-            explain: false,
-            prompt_body: None,
-            admission: Default::default(),
+            ..RouteRequest::tokens("m", 16, chain)
         }
     }
 
