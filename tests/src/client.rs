@@ -150,14 +150,19 @@ impl Api {
         panic!("timed out waiting for: {what} ({last} blocks matched, want {blocks})");
     }
 
-    pub async fn metric(&self, name: &str) -> f64 {
+    /// The sidecar's whole OpenMetrics text.
+    pub async fn metrics_text(&self) -> String {
         let resp = self
             .http
             .get(format!("{}/metrics", self.base))
             .send()
             .await
             .expect("metrics");
-        let text = resp.text().await.unwrap_or_default();
+        resp.text().await.unwrap_or_default()
+    }
+
+    pub async fn metric(&self, name: &str) -> f64 {
+        let text = self.metrics_text().await;
         text.lines()
             .filter(|l| !l.starts_with('#'))
             .find_map(|l| {

@@ -300,12 +300,7 @@ async fn overload_queues_in_the_router_by_priority() {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let text = reqwest::get(format!("http://{}/metrics", stack.sidecar.addr))
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .unwrap_or_default();
+    let text = stack.api.metrics_text().await;
     assert!(
         cancelled >= 1.0,
         "the impatient client's request left the queue: {}",

@@ -69,12 +69,7 @@ async fn chats_follow_the_engines_events() {
     }
     // Every request was tokenized by the sidecar, and later turns were decided from
     // engine events: token mode, the chosen pod's matched blocks > 0.
-    let metrics = reqwest::get(format!("http://{}/metrics", stack.sidecar.addr))
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .unwrap_or_default();
+    let metrics = stack.api.metrics_text().await;
     assert!(
         metrics.contains("kvroute_precise_prompts_total{outcome=\"tokens\"} 16"),
         "{}",
