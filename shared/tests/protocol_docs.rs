@@ -144,22 +144,14 @@ fn batches_round_trip_and_bad_ones_say_why() {
 #[test]
 fn binary_route_body_round_trips_and_refuses_garbage() {
     let r = RouteRequest {
-        model: "m".into(),
-        adapter: String::new(),
-        mode: kvroute_shared::Mode::Tokens,
-        block_size: 16,
-        chain: (0..1000u64)
-            .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
-            .collect(),
-        prompt_tokens: 16_000,
         request_id: Some("r".into()),
-        session: None,
-        previous_response: None,
-        role: None,
-        dry_run: false,
-        explain: false,
-        prompt_body: None,
-        admission: Default::default(),
+        ..RouteRequest::tokens(
+            "m",
+            16,
+            (0..1000u64)
+                .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+                .collect(),
+        )
     };
     let b = r.encode_binary();
     assert!(b.len() < 8_200 + 200);

@@ -319,7 +319,9 @@ impl Waiting {
             _ => None,
         };
         match tx.send(v) {
-            Err(Verdict::Routed(r)) => release(sc, &r, now),
+            Err(Verdict::Routed(r)) => {
+                release(sc, r.decision.as_deref(), now);
+            }
             Ok(()) => {
                 if let Some(d) = decision {
                     let mut a = self.answered.lock();
@@ -347,18 +349,11 @@ impl Waiting {
         let Some((decision, _)) = self.answered.lock().remove(&(model.to_owned(), ticket)) else {
             return false;
         };
-        let now = Instant::now();
-        let cfg = sc.config();
-        if let Some(id) = sc.ledger().parse_id(&decision) {
-            if let Some((_, deltas)) = sc.ledger().release(id, now, &cfg) {
-                sc.metrics.load_released.inc("abandoned", 1);
-                sc.metrics.admission.inc("cancelled", 1);
-                sc.publish(deltas);
-                self.wake();
-                return true;
-            }
+        let released = release(sc, Some(&decision), Instant::now());
+        if released {
+            sc.metrics.admission.inc("cancelled", 1);
         }
-        false
+        released
     }
 
     /// One look at every room: shed what expired or was never claimed, then route the
@@ -458,16 +453,20 @@ pub fn top_priority(a: &AdmissionConfig) -> i32 {
         .fold(a.default_priority, i32::max)
 }
 
-/// Release a decision nobody will use (its claimant left between dispatch and answer).
-fn release(sc: &Sidecar, r: &RouteResponse, now: Instant) {
-    let Some(id) = r.decision.as_deref().and_then(|d| sc.ledger().parse_id(d)) else {
-        return;
+/// Release a decision nobody will use (its claimant left between dispatch and answer);
+/// whether it was still outstanding. The load it frees may let a queued request out.
+fn release(sc: &Sidecar, decision: Option<&str>, now: Instant) -> bool {
+    let Some(id) = decision.and_then(|d| sc.ledger().parse_id(d)) else {
+        return false;
     };
     let cfg = sc.config();
-    if let Some((_, deltas)) = sc.ledger().release(id, now, &cfg) {
-        sc.metrics.load_released.inc("abandoned", 1);
-        sc.publish(deltas);
-    }
+    let Some((_, deltas)) = sc.ledger().release(id, now, &cfg) else {
+        return false;
+    };
+    sc.metrics.load_released.inc("abandoned", 1);
+    sc.publish(deltas);
+    sc.waiting.wake();
+    true
 }
 
 /// A wait call in progress. Dropped before its verdict arrived (the client went away and
@@ -492,7 +491,7 @@ impl Drop for Claim {
         rx.close();
         if let Ok(Verdict::Routed(r)) = rx.try_recv() {
             self.sc.metrics.admission.inc("cancelled", 1);
-            release(&self.sc, &r, Instant::now());
+            release(&self.sc, r.decision.as_deref(), Instant::now());
         }
     }
 }
