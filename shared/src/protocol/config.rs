@@ -97,6 +97,12 @@ pub struct PolicyConfig {
     /// Multiplier on that extra weight (how many queued requests an uncached block is
     /// taken to delay, per prompt of backlog).
     pub saturation_weight: f64,
+    /// How much more an uncached block weighs on a pod whose cache is evicting what
+    /// it was sent: `1 + eviction_weight × pressure`, the pressure being the recent
+    /// share of the pod's predicted hits its engine no longer held. There a prefill
+    /// evicts another prompt's blocks, so copying a prefix that lives elsewhere (to
+    /// save a short wait) costs the hits of whoever was using that space; 0 = off.
+    pub eviction_weight: f64,
     /// Pods whose cost is within this much of the best (in blocks of prefill) are equals,
     /// and the request's tie key picks among them. Replicas that route concurrent cold
     /// requests before hearing of each other's decisions then spread them instead of all
@@ -345,6 +351,7 @@ impl Default for PolicyConfig {
             full_batch_guard: true,
             saturation_backlog_s: 2.0,
             saturation_weight: 8.0,
+            eviction_weight: 0.0,
             near_tie_cost: 3.0,
             temperature: 0.0,
             explain: false,
@@ -384,6 +391,7 @@ impl PolicyConfig {
         finite_nonneg("near_tie_cost", self.near_tie_cost);
         finite_nonneg("saturation_backlog_s", self.saturation_backlog_s);
         finite_nonneg("saturation_weight", self.saturation_weight);
+        finite_nonneg("eviction_weight", self.eviction_weight);
         finite_nonneg("temperature", self.temperature);
         for (tier, c) in &self.tier_cost {
             if !(0.0..=1.0).contains(c) {

@@ -22,10 +22,20 @@ use crate::index::{Indexes, ModelIndex};
 /// (the index's own capacity bound may have dropped it).
 const REFRESH: Duration = Duration::from_secs(1);
 
+/// Weight of the newest report in a pod's eviction pressure: about the last ten
+/// predicted reports count, so a run of fresh prompts after a quiet spell still sees
+/// what the cache did a moment ago.
+const PRESSURE_GAIN: f64 = 0.1;
+
 struct PodLru {
     model: String,
     /// Current (adaptive) capacity in blocks.
     cap: f64,
+    /// The most blocks of one prompt the engine has reported holding at once: a lower
+    /// bound on its real capacity, so no run of mispredictions cuts below it.
+    floor: f64,
+    /// Moving share of the reports that found a guess evicted (see [`PRESSURE_GAIN`]).
+    pressure: f64,
     order: VecDeque<(u64, Instant)>,
     /// Block → time of its latest insertion (older queue entries are stale). hashbrown's
     /// default hasher (foldhash, seeded per process): keys come from clients' prompts, so
@@ -63,6 +73,8 @@ impl Predicted {
             let lru = pods.entry(Arc::from(pod)).or_insert_with(|| PodLru {
                 model: model.to_string(),
                 cap: cap as f64,
+                floor: 0.0,
+                pressure: 0.0,
                 order: VecDeque::new(),
                 live: hashbrown::HashMap::new(),
             });
@@ -113,15 +125,35 @@ impl Predicted {
         }
     }
 
-    /// Feedback from a completion report (AIMD on the pod's capacity).
-    pub fn feedback(&self, pod: &str, mispredicted: bool, grow_by: u64, max_cap: u64) {
+    /// Feedback from a completion report (AIMD on the pod's capacity): `held` is how
+    /// many of the prompt's blocks the engine reported cached.
+    ///
+    /// The cut stops at the most blocks the engine has ever been seen to hold. Below
+    /// that the router forgets residency the engine really has: a shared prefix's home
+    /// is forgotten, its next request goes wherever load says, the prefix then lives
+    /// on two pods, each evicts the other's prompts sooner, and more mispredictions cut
+    /// deeper (the live chat load on caches smaller than its working set fell from a
+    /// 0.71 hit rate to 0.36–0.52 that way, run after run).
+    pub fn feedback(
+        &self,
+        pod: &str,
+        mispredicted: bool,
+        held: Option<u64>,
+        grow_by: u64,
+        max_cap: u64,
+    ) {
         let mut evicted = Vec::new();
         let mut model = String::new();
         {
             let mut pods = self.pods.lock();
             let Some(lru) = pods.get_mut(pod) else { return };
+            if let Some(held) = held {
+                lru.floor = lru.floor.max(held.min(max_cap) as f64);
+            }
+            let hit = if mispredicted { 1.0 } else { 0.0 };
+            lru.pressure += PRESSURE_GAIN * (hit - lru.pressure);
             if mispredicted {
-                lru.cap = (lru.cap * 0.7).max(16.0);
+                lru.cap = (lru.cap * 0.7).max(lru.floor).max(16.0);
                 evicted = evict(lru, lru.cap as usize, None);
                 model = lru.model.clone();
             } else {
@@ -153,6 +185,19 @@ impl Predicted {
     #[cfg(test)]
     pub fn queued(&self, pod: &str) -> usize {
         self.pods.lock().get(pod).map_or(0, |l| l.order.len())
+    }
+
+    /// Each pod's eviction pressure (0 before its first report), in the order given,
+    /// under one lock.
+    pub fn pressures(&self, pods: &[Arc<str>]) -> Vec<f64> {
+        let lru = self.pods.lock();
+        pods.iter()
+            .map(|p| lru.get(p).map_or(0.0, |l| l.pressure))
+            .collect()
+    }
+
+    pub fn pressure_of(&self, pod: &str) -> Option<f64> {
+        self.pods.lock().get(pod).map(|l| l.pressure)
     }
 
     pub fn capacity_of(&self, pod: &str) -> Option<f64> {
@@ -258,5 +303,29 @@ mod tests {
             Some(64),
             "still predicted"
         );
+    }
+
+    /// Pressure rises with reports of evicted guesses and falls with held ones; the
+    /// capacity cuts stop at the most the engine was seen holding.
+    #[test]
+    fn pressure_follows_the_reports() {
+        let p = Predicted::default();
+        let t0 = Instant::now();
+        let pods: Vec<Arc<str>> = vec![Arc::from("a"), Arc::from("b")];
+        let chain: Vec<u64> = (1..=8).collect();
+        p.insert("m", "a", &chain, 1 << 16, t0);
+        assert_eq!(p.pressures(&pods), vec![0.0, 0.0]);
+        for _ in 0..20 {
+            p.feedback("a", true, Some(4), 8, 1 << 16);
+        }
+        let high = p.pressure_of("a").expect("a");
+        assert!(high > 0.85, "{high}");
+        for _ in 0..40 {
+            p.feedback("a", false, Some(8), 8, 1 << 16);
+        }
+        let low = p.pressure_of("a").expect("a");
+        assert!(low < 0.05, "{low}");
+        // The cuts stopped at what the engine was seen holding.
+        assert!(p.capacity_of("a").expect("a") >= 8.0);
     }
 }

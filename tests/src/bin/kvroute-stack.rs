@@ -74,6 +74,10 @@ enum Cmd {
         /// Skip filling the engines' caches first.
         #[arg(long)]
         cold: bool,
+        /// Policy settings (JSON, e.g. `{"eviction_weight": 2}`) merged into the
+        /// sidecar's config before the runs (kvroute only).
+        #[arg(long)]
+        policy: Option<String>,
     },
     /// Start the stack and keep it running.
     Up {
@@ -122,6 +126,7 @@ fn main() -> anyhow::Result<()> {
                 concurrency,
                 mixed_text,
                 cold,
+                policy,
             } => {
                 let load = demo::ChatLoad {
                     users,
@@ -133,7 +138,13 @@ fn main() -> anyhow::Result<()> {
                     },
                     ..demo::ChatLoad::default()
                 };
-                steady_runs(&gateway, runs, load, capacity_blocks, concurrency, !cold).await
+                let opts = RunOpts {
+                    capacity_blocks,
+                    concurrency,
+                    warm: !cold,
+                    policy: policy.as_deref().map(serde_json::from_str).transpose()?,
+                };
+                steady_runs(&gateway, runs, load, opts).await
             }
             Cmd::Up { vllm_events } => up(vllm_events).await,
             Cmd::RenderEnvoy { .. } => Ok(()),
@@ -291,14 +302,26 @@ async fn measure(
     Ok(out)
 }
 
+struct RunOpts {
+    capacity_blocks: u32,
+    concurrency: usize,
+    warm: bool,
+    /// Merged into the sidecar's policy config.
+    policy: Option<serde_json::Value>,
+}
+
 async fn steady_runs(
     gateway: &str,
     n: usize,
     load: demo::ChatLoad,
-    capacity_blocks: u32,
-    concurrency: usize,
-    warm: bool,
+    opts: RunOpts,
 ) -> anyhow::Result<()> {
+    let RunOpts {
+        capacity_blocks,
+        concurrency,
+        warm,
+        policy,
+    } = opts;
     let stack = Stack::start(StackOpts {
         engine_args: kvroute_tests::stack::engine_args(capacity_blocks, 8000, 20, 0.5),
         ..StackOpts::default()
@@ -322,6 +345,14 @@ async fn steady_runs(
         (_, Some(s)) => (s.url.clone(), None),
         _ => (stack.plain.url(""), None),
     };
+    if let (Some(api), Some(serde_json::Value::Object(settings))) = (sidecar, policy) {
+        let mut cfg = api.get("/v1/config").await.json;
+        for (k, v) in settings {
+            cfg[k] = v;
+        }
+        let r = api.put("/v1/config", &cfg).await;
+        anyhow::ensure!(r.status == 200, "config refused: {}", r.json);
+    }
     if warm {
         eprintln!("== filling the engines' caches ({capacity_blocks} blocks each)");
         kvroute_tests::steady::fill_caches(&engines, capacity_blocks, 16, 1.5).await?;

@@ -148,6 +148,7 @@ mod tests {
             },
             bound: 0.0,
             pinned: false,
+            pressure: 0.0,
         }
     }
 

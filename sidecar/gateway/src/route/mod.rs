@@ -493,10 +493,15 @@ impl<'a> Route<'a> {
             .views(&ids, facts.prefix_key, now, self.cfg);
         let depth =
             |ms: &[PodMatch], id: &str| ms.iter().find(|m| &*m.pod == id).map_or(0, |m| m.depth);
+        // Only a request routed by guesses weighs what guesses learned of the caches.
+        let pressures = match req.mode {
+            Mode::Text => self.sc.predicted.pressures(&ids),
+            Mode::Tokens => vec![0.0; ids.len()],
+        };
         ids.into_iter()
-            .zip(loads)
+            .zip(loads.into_iter().zip(pressures))
             .enumerate()
-            .filter_map(|(i, (id, load))| {
+            .filter_map(|(i, (id, (load, pressure)))| {
                 let p = pods.get(&id)?;
                 let candidate = Candidate {
                     index: i,
@@ -508,6 +513,7 @@ impl<'a> Route<'a> {
                     load: p.load_view(load, now),
                     bound: self.bound_blocks(&id),
                     pinned: facts.response.as_ref().is_some_and(|r| r.pod == id),
+                    pressure,
                 };
                 Some(PodCandidate { candidate, pod: id })
             })

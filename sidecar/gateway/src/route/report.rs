@@ -97,9 +97,16 @@ pub fn report_at(sc: &Sidecar, r: &CompletionReport, now: Instant) {
         if mispredicted {
             sc.metrics.mispredictions.inc();
         }
+        // The engine's own tokens per chain block, from this very prompt (a partial
+        // last block makes it a little high, so `held` errs low).
+        let held = r
+            .prompt_tokens
+            .filter(|&t| t > 0)
+            .map(|t| c.saturating_mul(p.chain_blocks) / u64::from(t));
         sc.predicted.feedback(
             &r.pod,
             mispredicted,
+            held,
             p.chain_blocks,
             cfg.predicted_capacity_blocks,
         );
