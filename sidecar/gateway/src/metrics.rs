@@ -112,6 +112,9 @@ pub struct Metrics {
     pub reports_rejected: Counter,
     pub cached_tokens: Labeled,
     pub mispredictions: Counter,
+    /// Reports short of the prediction only in guesses whose first prefill had not been
+    /// reported when the request was routed (not evictions: no capacity cut).
+    pub predicted_in_flight: Counter,
     pub pods_removed: Labeled,
     pub load_released: Labeled,
     /// Reports by whether they named an outstanding decision ("released", "unknown",
@@ -180,6 +183,7 @@ impl Default for Metrics {
             reports_rejected: Counter::default(),
             cached_tokens: Labeled::new("source"),
             mispredictions: Counter::default(),
+            predicted_in_flight: Counter::default(),
             pods_removed: Labeled::new("reason"),
             load_released: Labeled::new("how"),
             report_decisions: Labeled::new("outcome"),
@@ -337,8 +341,13 @@ impl Default for Metrics {
             ),
             (
                 "kvroute_mispredictions",
-                "Reports with fewer cached tokens than predicted.",
+                "Reports of predicted decisions that found settled guesses evicted.",
                 &m.mispredictions,
+            ),
+            (
+                "kvroute_predicted_in_flight",
+                "Reports short of the prediction only where the guess was still being prefilled.",
+                &m.predicted_in_flight,
             ),
             (
                 "kvroute_nats_messages",

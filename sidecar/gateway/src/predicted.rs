@@ -8,6 +8,12 @@
 //! tokens than predicted means the pod evicts sooner than assumed, so its capacity is cut
 //! by 30% and the oldest guesses beyond it go; a correct prediction grows it back by the
 //! request's size, up to the configured cap.
+//!
+//! A guess is *settled* once the decision that first made it has left the ledger (its
+//! report came, or it timed out): before that the engine may still be prefilling it, so
+//! a request routed onto it meanwhile that finds it missing says nothing about eviction.
+//! Each guess remembers the decision that made it, and each pod the decisions still
+//! outstanding on it; a decision's expectation counts settled guesses only.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -37,11 +43,35 @@ struct PodLru {
     /// Moving share of the reports that found a guess evicted (see [`PRESSURE_GAIN`]).
     pressure: f64,
     order: VecDeque<(u64, Instant)>,
-    /// Block → time of its latest insertion (older queue entries are stale). hashbrown's
-    /// default hasher (foldhash, seeded per process): keys come from clients' prompts, so
-    /// the map must resist crafted collisions, and SipHash cost a fifth of each insert.
-    live: hashbrown::HashMap<u64, Instant>,
+    /// Block → its guess (older queue entries are stale). hashbrown's default hasher
+    /// (foldhash, seeded per process): keys come from clients' prompts, so the map must
+    /// resist crafted collisions, and SipHash cost a fifth of each insert.
+    live: hashbrown::HashMap<u64, Guess>,
+    /// Decisions on this pod still in the ledger, with when they were made (a bound for
+    /// ones whose release never reaches here).
+    outstanding: hashbrown::HashMap<u64, Instant>,
 }
+
+#[derive(Clone, Copy)]
+struct Guess {
+    /// The latest insertion (the one the recency queue's live entry carries).
+    at: Instant,
+    /// The decision that first made it.
+    by: u64,
+}
+
+impl PodLru {
+    fn settled(&self, block: u64) -> bool {
+        self.live
+            .get(&block)
+            .is_some_and(|g| !self.outstanding.contains_key(&g.by))
+    }
+}
+
+/// Outstanding decisions a pod keeps beyond which the oldest are taken as settled: the
+/// ledger releases every decision within its timeout, so this only bounds a pod whose
+/// releases are lost.
+const MAX_OUTSTANDING: usize = 1 << 16;
 
 #[derive(Default)]
 pub struct Predicted {
@@ -54,8 +84,16 @@ impl Predicted {
         self.indexes.get_or_create(model, max_blocks)
     }
 
-    /// Record `chain` as cached on `pod`.
-    pub fn insert(&self, model: &str, pod: &str, chain: &[u64], cap: u64, now: Instant) {
+    /// Record `chain` as cached on `pod` by `decision` (outstanding until [`Self::settle`]).
+    pub fn insert(
+        &self,
+        model: &str,
+        pod: &str,
+        chain: &[u64],
+        cap: u64,
+        decision: u64,
+        now: Instant,
+    ) {
         if chain.is_empty() {
             return;
         }
@@ -77,10 +115,20 @@ impl Predicted {
                 pressure: 0.0,
                 order: VecDeque::new(),
                 live: hashbrown::HashMap::new(),
+                outstanding: hashbrown::HashMap::new(),
             });
+            if lru.outstanding.len() >= MAX_OUTSTANDING {
+                // Settle the older half at once: amortized O(1) a decision.
+                let mut ats: Vec<Instant> = lru.outstanding.values().copied().collect();
+                let mid = ats.len() / 2;
+                let cut = *ats.select_nth_unstable(mid).1;
+                lru.outstanding.retain(|_, at| *at > cut);
+            }
+            lru.outstanding.insert(decision, now);
             for &b in chain {
-                match lru.live.insert(b, now) {
-                    Some(before) if now.saturating_duration_since(before) < REFRESH => {}
+                let by = lru.live.get(&b).map_or(decision, |g| g.by);
+                match lru.live.insert(b, Guess { at: now, by }) {
+                    Some(before) if now.saturating_duration_since(before.at) < REFRESH => {}
                     _ => fresh.push(b),
                 }
                 lru.order.push_back((b, now));
@@ -90,7 +138,8 @@ impl Predicted {
             // pass removes at least half the queue, so this is amortized O(1) a block).
             if lru.order.len() > 2 * lru.live.len() + 64 {
                 let live = &lru.live;
-                lru.order.retain(|(b, at)| live.get(b) == Some(at));
+                lru.order
+                    .retain(|(b, at)| live.get(b).map(|g| g.at) == Some(*at));
             }
             let keep = (lru.cap as u64).min(limit);
             evict(lru, usize::try_from(keep).unwrap_or(usize::MAX), None)
@@ -109,6 +158,10 @@ impl Predicted {
         {
             let mut pods = self.pods.lock();
             for (pod, lru) in pods.iter_mut() {
+                // A decision older than the TTL counts as settled (a prefill takes
+                // seconds): this bounds decisions whose release never reached here.
+                lru.outstanding
+                    .retain(|_, at| now.saturating_duration_since(*at) <= ttl);
                 let gone = evict(lru, usize::MAX, Some((ttl, now)));
                 if !gone.is_empty() {
                     work.push((lru.model.clone(), pod.clone(), gone));
@@ -122,6 +175,26 @@ impl Predicted {
             ) {
                 let _ = ix.remove(h, Tier::Gpu, &gone);
             }
+        }
+    }
+
+    /// How many of `chain`'s first `depth` blocks are settled guesses on `pod`. Guesses
+    /// settle in chain order almost always (a prompt's later blocks come from later
+    /// turns), so this bisects: a request routed onto a 100k-token prompt still
+    /// prefilling costs a few lookups, not one a block. A turn that finishes before an
+    /// earlier one still decoding can make it count a few in-flight blocks as settled,
+    /// which at worst calls that shortfall an eviction, as before settling existed.
+    pub fn settled_depth(&self, pod: &str, chain: &[u64], depth: usize) -> usize {
+        let pods = self.pods.lock();
+        let Some(lru) = pods.get(pod) else { return 0 };
+        let hit = &chain[..depth.min(chain.len())];
+        hit.partition_point(|&b| lru.settled(b))
+    }
+
+    /// `decision` left the ledger: the guesses it made are settled.
+    pub fn settle(&self, pod: &str, decision: u64) {
+        if let Some(lru) = self.pods.lock().get_mut(pod) {
+            lru.outstanding.remove(&decision);
         }
     }
 
@@ -224,7 +297,7 @@ fn evict(lru: &mut PodLru, cap: usize, ttl: Option<(Duration, Instant)>) -> Vec<
         }
         lru.order.pop_front();
         // Only the latest insertion of a block counts; earlier queue entries are stale.
-        if lru.live.get(&b) == Some(&at) {
+        if lru.live.get(&b).map(|g| g.at) == Some(at) {
             lru.live.remove(&b);
             out.push(b);
         }
@@ -256,22 +329,22 @@ mod tests {
         let t0 = Instant::now();
         let at = |ms: u64| t0 + Duration::from_millis(ms);
         let chain: Vec<u64> = (1..=64).collect();
-        p.insert("m", "p", &chain, 1 << 16, at(0));
+        p.insert("m", "p", &chain, 1 << 16, 0, at(0));
         assert_eq!(depth(&p, &chain), 64);
         // A repeat renews the guess (its TTL runs from the latest use)...
-        p.insert("m", "p", &chain, 1 << 16, at(500));
+        p.insert("m", "p", &chain, 1 << 16, 0, at(500));
         p.expire(Duration::from_millis(900), at(1000));
         assert_eq!(depth(&p, &chain), 64, "renewed at 0.5 s");
         // ...and a guess unused for longer than the TTL goes.
         p.expire(Duration::from_millis(900), at(1500));
         assert_eq!(depth(&p, &chain), 0, "expired");
         assert_eq!(p.entries(), 0);
-        p.insert("m", "p", &chain, 1 << 16, at(2000));
+        p.insert("m", "p", &chain, 1 << 16, 0, at(2000));
         assert_eq!(depth(&p, &chain), 64, "stored again after expiry");
         // Capacity still bounds what is held: the oldest guesses go first.
         let long: Vec<u64> = (1000..1100).collect();
-        p.insert("m", "q", &long, 32, at(3600));
-        p.insert("m", "q", &long, 32, at(3700));
+        p.insert("m", "q", &long, 32, 0, at(3600));
+        p.insert("m", "q", &long, 32, 0, at(3700));
         assert_eq!(depth_on(&p, "q", &long), 0, "the prefix was evicted");
         assert_eq!(depth_on(&p, "q", &long[68..]), 32, "the last 32 are held");
     }
@@ -289,6 +362,7 @@ mod tests {
                 "10.0.0.1:8000",
                 &chain,
                 4096,
+                i,
                 t0 + Duration::from_millis(i),
             );
         }
@@ -313,7 +387,7 @@ mod tests {
         let t0 = Instant::now();
         let pods: Vec<Arc<str>> = vec![Arc::from("a"), Arc::from("b")];
         let chain: Vec<u64> = (1..=8).collect();
-        p.insert("m", "a", &chain, 1 << 16, t0);
+        p.insert("m", "a", &chain, 1 << 16, 0, t0);
         assert_eq!(p.pressures(&pods), vec![0.0, 0.0]);
         for _ in 0..20 {
             p.feedback("a", true, Some(4), 8, 1 << 16);
@@ -327,5 +401,47 @@ mod tests {
         assert!(low < 0.05, "{low}");
         // The cuts stopped at what the engine was seen holding.
         assert!(p.capacity_of("a").expect("a") >= 8.0);
+    }
+
+    /// A guess is settled once the decision that made it has left the ledger; a later
+    /// decision renewing it does not make it its own, and the TTL settles what no
+    /// release reached.
+    #[test]
+    fn guesses_settle_when_their_decision_leaves() {
+        let p = Predicted::default();
+        let t0 = Instant::now();
+        let system: Vec<u64> = (1..=32).collect();
+        p.insert("m", "a", &system, 1 << 16, 1, t0);
+        assert_eq!(p.settled_depth("a", &system, 32), 0, "still prefilling");
+        // A second user of the prompt, routed while the first one's prefill runs.
+        let mut turn = system.clone();
+        turn.extend(100..110);
+        p.insert("m", "a", &turn, 1 << 16, 2, t0);
+        p.settle("a", 2);
+        assert_eq!(
+            p.settled_depth("a", &turn, 32),
+            0,
+            "the system prompt is 1's"
+        );
+        p.settle("a", 1);
+        assert_eq!(p.settled_depth("a", &turn, 32), 32);
+        assert_eq!(p.settled_depth("a", &turn, 42), 42);
+        assert_eq!(
+            p.settled_depth("b", &turn, 42),
+            0,
+            "another pod guessed nothing"
+        );
+        // A third turn on top of the settled ones: only its new blocks are in flight.
+        let mut third = turn.clone();
+        third.extend(200..210);
+        p.insert("m", "a", &third, 1 << 16, 3, t0);
+        assert_eq!(p.settled_depth("a", &third, 52), 42);
+        // Its release was lost: the TTL settles it.
+        p.expire(Duration::from_secs(60), t0 + Duration::from_secs(30));
+        assert_eq!(p.settled_depth("a", &third, 52), 42, "within the TTL");
+        p.insert("m", "a", &third, 1 << 16, 4, t0 + Duration::from_secs(59));
+        p.settle("a", 4);
+        p.expire(Duration::from_secs(60), t0 + Duration::from_secs(61));
+        assert_eq!(p.settled_depth("a", &third, 52), 52, "settled by age");
     }
 }

@@ -350,11 +350,21 @@ impl Sidecar {
             .inc(if applied { "applied" } else { "ignored" }, 1);
     }
 
+    /// A decision of ours left the ledger (reported, abandoned or timed out): its
+    /// predicted guesses are settled, so a request that finds them missing from now on
+    /// has seen an eviction, not a prefill still running.
+    pub(crate) fn settle(&self, d: &crate::ledger::Decision) {
+        self.predicted.settle(d.cache_pod(), d.id);
+    }
+
     /// Release projected load whose report never came (ours, or another replica's).
     pub fn expire_load(&self, now: Instant) {
         let cfg = self.config();
         let timeout = std::time::Duration::from_secs(cfg.load_timeout_s);
         let (gone, deltas) = self.ledger.expire(now, timeout, &cfg);
+        for d in &gone {
+            self.settle(d);
+        }
         self.metrics
             .load_released
             .inc(Release::Timeout.label(), gone.len() as u64);

@@ -113,6 +113,7 @@ pub fn snapshot(sc: &Sidecar) -> Value {
             "events_applied": m.events_applied.get(),
             "events_rejected": as_map(m.events_rejected.snapshot()),
             "mispredictions": m.mispredictions.get(),
+            "predicted_in_flight": m.predicted_in_flight.get(),
             "precise_prompts": as_map(m.precise.snapshot()),
             "picker_requests": as_map(m.picker.snapshot()),
             "admission": as_map(m.admission.snapshot()),

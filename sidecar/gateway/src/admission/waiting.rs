@@ -460,9 +460,10 @@ fn release(sc: &Sidecar, decision: Option<&str>, now: Instant) -> bool {
         return false;
     };
     let cfg = sc.config();
-    let Some((_, deltas)) = sc.ledger().release(id, now, &cfg) else {
+    let Some((d, deltas)) = sc.ledger().release(id, now, &cfg) else {
         return false;
     };
+    sc.settle(&d);
     sc.metrics.load_released.inc("abandoned", 1);
     sc.publish(deltas);
     sc.waiting.wake();

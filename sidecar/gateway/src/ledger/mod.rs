@@ -67,6 +67,10 @@ pub struct Placement {
     /// counts as wrong: one block, plus the tokens-per-block estimate's error over the
     /// blocks expected (text chains).
     pub slack_tokens: u64,
+    /// Of `expected_cached`, the tokens on guesses already settled when the decision was
+    /// made (their first request's report had come): a shortfall beyond these is a prefill
+    /// still running when this request arrived, not an eviction.
+    pub settled_cached: u64,
     /// The cache pod's residency was a guess (predicted mode).
     pub predicted: bool,
     pub chain_blocks: u64,

@@ -24,6 +24,7 @@ fn decision(pod: &str, prefill_pod: Option<&str>, prefix: Option<u64>) -> Placem
         prefix,
         expected_cached: 0,
         slack_tokens: 16,
+        settled_cached: 0,
         predicted: false,
         chain_blocks: 10,
         text_bytes: None,

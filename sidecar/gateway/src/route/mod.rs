@@ -539,6 +539,15 @@ impl<'a> Route<'a> {
         let expected_cached = ((hit_blocks as f64 * tokens.per_block) as u64).min(tokens.prompt);
         let predicted =
             req.mode == Mode::Text || pods.get(&cache.pod).is_some_and(|p| !p.events_seen);
+        let settled_blocks = if predicted {
+            let guessed = cache.candidate.predicted as usize;
+            (sc.predicted.settled_depth(&cache.pod, &req.chain, guessed) as u64)
+                .max(cache.candidate.matched as u64)
+        } else {
+            hit_blocks
+        };
+        let settled_cached =
+            ((settled_blocks as f64 * tokens.per_block) as u64).min(expected_cached);
         sc.metrics.decisions.inc(&serving.pod, 1);
         sc.metrics
             .matched_blocks
@@ -558,6 +567,7 @@ impl<'a> Route<'a> {
                 expected_cached,
                 slack_tokens: (tokens.per_block * (1.0 + hit_blocks as f64 * tokens.rel_err)).ceil()
                     as u64,
+                settled_cached,
                 predicted,
                 chain_blocks: req.chain.len() as u64,
                 text_bytes: tokens.text_bytes,
@@ -593,6 +603,7 @@ impl<'a> Route<'a> {
                 &cache.pod,
                 &req.chain,
                 self.cfg.predicted_capacity_blocks,
+                id,
                 self.now,
             );
         }
@@ -1102,6 +1113,51 @@ mod tests {
                 },
             );
         }
+    }
+
+    /// A prompt's second request, routed onto its guess while the first one is still
+    /// being prefilled, may find nothing cached: that is the engine's queue, counted
+    /// apart, and cuts no capacity. Once the first request is reported the guess is
+    /// settled, and the same shortfall is an eviction.
+    #[test]
+    fn shortfalls_on_guesses_still_prefilling_are_not_evictions() {
+        let (sc, _ch) = four_pods();
+        // Load does not pull the second request away from the prompt's home here.
+        let cfg = PolicyConfig {
+            load_weight: 0.0,
+            ..PolicyConfig::default()
+        };
+        sc.set_config(cfg, None).expect("config");
+        let text = |blocks: u64| RouteRequest {
+            mode: Mode::Text,
+            block_size: 256,
+            prompt_tokens: (blocks * 64) as u32,
+            ..tokens_req((1..=blocks).collect(), "text")
+        };
+        let cold = |a: &RouteResponse| CompletionReport {
+            decision: a.decision.clone().unwrap_or_default(),
+            pod: a.pod.clone(),
+            status: 200,
+            cached_tokens: Some(0),
+            ..Default::default()
+        };
+        let first = route(&sc, &text(20)).expect("route");
+        let second = route(&sc, &text(22)).expect("route");
+        assert_eq!(second.pod, first.pod, "the guess drew the second request");
+        let cap = sc.predicted.capacity_of(&first.pod);
+        report(&sc, &cold(&second));
+        assert_eq!(sc.metrics.predicted_in_flight.get(), 1);
+        assert_eq!(sc.metrics.mispredictions.get(), 0);
+        assert_eq!(sc.predicted.capacity_of(&first.pod), cap, "no capacity cut");
+        assert_eq!(sc.predicted.pressure_of(&first.pod), Some(0.0));
+        report(&sc, &cold(&first));
+        // Both reported: the guesses are settled, and a miss on them is an eviction.
+        let third = route(&sc, &text(24)).expect("route");
+        assert_eq!(third.pod, first.pod);
+        report(&sc, &cold(&third));
+        assert_eq!(sc.metrics.mispredictions.get(), 1);
+        assert_eq!(sc.metrics.predicted_in_flight.get(), 1);
+        assert!(sc.predicted.pressure_of(&first.pod) > Some(0.0));
     }
 
     /// Text chains are bytes; engines cache tokens. At any bytes-per-token ratio, a

@@ -43,6 +43,7 @@ pub fn report_at(sc: &Sidecar, r: &CompletionReport, now: Instant) {
     let Some((d, mut deltas)) = released else {
         return;
     };
+    sc.settle(&d);
     sc.metrics.load_released.inc(Release::Report.label(), 1);
     // Load left a pod: a request waiting for room may fit now.
     sc.waiting.wake();
@@ -91,11 +92,15 @@ pub fn report_at(sc: &Sidecar, r: &CompletionReport, now: Instant) {
             .agreement(&p.model, template.map(|t| &**t), o.label());
     }
     if p.predicted && from_cache_pod {
-        // The engine held fewer of the guessed blocks than the router believed, by more
-        // than a block and the estimate's error: the pod evicts sooner than assumed.
-        let mispredicted = c + p.slack_tokens < p.expected_cached;
+        // The engine held fewer of the settled guesses than the router believed, by more
+        // than a block and the estimate's error: the pod evicts sooner than assumed. A
+        // shortfall only in guesses still being prefilled when this request was routed
+        // is the engine's queue, not its cache.
+        let mispredicted = c + p.slack_tokens < p.settled_cached;
         if mispredicted {
             sc.metrics.mispredictions.inc();
+        } else if c + p.slack_tokens < p.expected_cached {
+            sc.metrics.predicted_in_flight.inc();
         }
         // The engine's own tokens per chain block, from this very prompt (a partial
         // last block makes it a little high, so `held` errs low).
