@@ -60,6 +60,8 @@ pub struct Run {
     /// The sidecar's decisions and mispredictions during the run (kvroute only).
     pub decisions: Option<u64>,
     pub mispredictions: Option<u64>,
+    /// Reports short only on guesses still being prefilled when routed (kvroute only).
+    pub predicted_in_flight: Option<u64>,
 }
 
 impl Run {
@@ -67,17 +69,15 @@ impl Run {
         let mut v = self.summary.json();
         v["decisions"] = json!(self.decisions);
         v["mispredictions"] = json!(self.mispredictions);
+        v["predicted_in_flight"] = json!(self.predicted_in_flight);
         v
     }
 }
 
-async fn counters(api: &Api) -> (u64, u64) {
+async fn counters(api: &Api) -> [u64; 3] {
     let s = api.get("/v1/status").await.json;
     let c = &s["counters"];
-    (
-        c["decisions"].as_u64().unwrap_or(0),
-        c["mispredictions"].as_u64().unwrap_or(0),
-    )
+    ["decisions", "mispredictions", "predicted_in_flight"].map(|k| c[k].as_u64().unwrap_or(0))
 }
 
 /// Replay `load` through `base` `n` times, the seed advanced every run (fresh prefixes).
@@ -103,11 +103,14 @@ pub async fn runs(
             Some(api) => Some(counters(api).await),
             None => None,
         };
-        let delta = before.zip(after).map(|(b, a)| (a.0 - b.0, a.1 - b.1));
+        let delta = before
+            .zip(after)
+            .map(|(b, a)| [0, 1, 2].map(|i| a[i].saturating_sub(b[i])));
         out.push(Run {
             summary: demo::summarize(&outcomes),
-            decisions: delta.map(|d| d.0),
-            mispredictions: delta.map(|d| d.1),
+            decisions: delta.map(|d| d[0]),
+            mispredictions: delta.map(|d| d[1]),
+            predicted_in_flight: delta.map(|d| d[2]),
         });
     }
     out

@@ -373,8 +373,10 @@ async fn steady_runs(
             s.hit_rate,
             s.ttft_mean_ms,
             s.ttft_p50_ms,
-            match (r.decisions, r.mispredictions) {
-                (Some(d), Some(m)) => format!(", {m} of {d} decisions mispredicted"),
+            match (r.decisions, r.mispredictions, r.predicted_in_flight) {
+                (Some(d), Some(m), Some(f)) => format!(
+                    ", {m} of {d} decisions mispredicted, {f} short only on prefills in flight"
+                ),
                 _ => String::new(),
             }
         );
