@@ -11,6 +11,7 @@ use kvroute_shared::Mode;
 use crate::affinity::{self, Bound, Kind};
 use crate::agreement::Outcome;
 use crate::ledger::Release;
+use crate::predicted::Shortfall;
 use crate::state::Sidecar;
 
 /// A completion report from the filter.
@@ -96,12 +97,15 @@ pub fn report_at(sc: &Sidecar, r: &CompletionReport, now: Instant) {
         // than a block and the estimate's error: the pod evicts sooner than assumed. A
         // shortfall only in guesses still being prefilled when this request was routed
         // is the engine's queue, not its cache.
-        let mispredicted = c + p.slack_tokens < p.settled_cached;
-        if mispredicted {
+        let short = if c + p.slack_tokens < p.settled_cached {
             sc.metrics.mispredictions.inc();
+            Shortfall::Evicted
         } else if c + p.slack_tokens < p.expected_cached {
             sc.metrics.predicted_in_flight.inc();
-        }
+            Shortfall::InFlight
+        } else {
+            Shortfall::None
+        };
         // The engine's own tokens per chain block, from this very prompt (a partial
         // last block makes it a little high, so `held` errs low).
         let held = r
@@ -110,7 +114,7 @@ pub fn report_at(sc: &Sidecar, r: &CompletionReport, now: Instant) {
             .map(|t| c.saturating_mul(p.chain_blocks) / u64::from(t));
         sc.predicted.feedback(
             &r.pod,
-            mispredicted,
+            short,
             held,
             p.chain_blocks,
             cfg.predicted_capacity_blocks,
