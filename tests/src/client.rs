@@ -69,6 +69,21 @@ impl Api {
             .await
     }
 
+    /// Sets `settings` (top-level keys of the policy config) over the sidecar's current
+    /// config, as an operator's `PUT /v1/config` would.
+    pub async fn merge_config(
+        &self,
+        settings: &serde_json::Map<String, Value>,
+    ) -> anyhow::Result<()> {
+        let mut cfg = self.get("/v1/config").await.json;
+        for (k, v) in settings {
+            cfg[k] = v.clone();
+        }
+        let r = self.put("/v1/config", &cfg).await;
+        anyhow::ensure!(r.status == 200, "config refused: {}", r.json);
+        Ok(())
+    }
+
     pub async fn delete(&self, path: &str) -> Reply {
         self.send(reqwest::Method::DELETE, path, None).await
     }

@@ -372,3 +372,53 @@ fn data_parallel_ranks_route_as_separate_pods() {
         );
     }
 }
+
+/// The live comparison's agentic case (`kvroute-bench peers --workloads agentic`: 4
+/// engines of 1,024 trace blocks, the sessions' first 900 s as text) beside the
+/// simulator's imitation of SGLang's gateway, which reads the same there as the real
+/// `smg` 1.13 does live (docs/benchmarks.md: 0.39 hit rate simulated, 0.39–0.41 live;
+/// round-robin 0.12 and 0.13). kvroute's default trades some of the hits for balance:
+/// its mean and p99 TTFT must stay the lowest, its hit rate within 6 points of smg's.
+#[test]
+fn on_the_live_agentic_case_kvroute_keeps_the_lowest_ttft_beside_smg() {
+    let mut reqs = agentic_sessions();
+    reqs.retain(|r| r.ts_ms <= 900_000.0);
+    assert_eq!(reqs.len(), 1379, "what the live comparison replays");
+    let o = SimOpts {
+        text: Some(sim::TextChains {
+            block_bytes: 256,
+            bytes_per_token: vec![4.5],
+        }),
+        ..SimOpts::new(4, 1024, 512)
+    };
+    let r = sim::compare(
+        "agentic, live-shaped",
+        &reqs,
+        &o,
+        &[
+            Policy::Kvroute,
+            Policy::Sglang,
+            Policy::Session,
+            Policy::RoundRobin,
+        ],
+    );
+    let (kv, smg) = (&r[0], &r[1]);
+    for x in &r[1..] {
+        assert!(
+            kv.ttft_mean_ms < x.ttft_mean_ms && kv.ttft_p99_ms < x.ttft_p99_ms,
+            "kvroute {kv:?} behind {x:?}"
+        );
+    }
+    assert!(
+        (0.35..0.45).contains(&smg.hit_rate) && r[3].hit_rate < 0.15,
+        "the imitation no longer reads as smg and round-robin do live: {:.3}, {:.3}",
+        smg.hit_rate,
+        r[3].hit_rate
+    );
+    assert!(
+        kv.hit_rate >= smg.hit_rate - 0.06,
+        "hit rate {:.3} against smg's {:.3}",
+        kv.hit_rate,
+        smg.hit_rate
+    );
+}

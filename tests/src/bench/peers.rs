@@ -53,6 +53,8 @@ pub struct Opts {
     pub chat_users: usize,
     /// Requests per gateway in the overhead measurement.
     pub overhead_requests: usize,
+    /// Settings merged into the sidecar's policy config (after the prefill rate).
+    pub policy: serde_json::Map<String, Value>,
 }
 
 impl Default for Opts {
@@ -67,6 +69,7 @@ impl Default for Opts {
             block_text: 64,
             chat_users: 24,
             overhead_requests: 200,
+            policy: serde_json::Map::new(),
         }
     }
 }
@@ -313,14 +316,13 @@ pub async fn run(o: &Opts) -> anyhow::Result<Value> {
     .await?;
     // kvroute's one engine-speed setting, as an operator sets it: the engines' prefill rate
     // in wall time (8,000 tokens/s simulated, run `speedup` times faster).
-    let mut cfg = stack.api.get("/v1/config").await.json;
-    cfg["prefill_tokens_per_s"] = json!(PREFILL_TPS as f64 * o.speedup);
-    let r = stack.api.put("/v1/config", &cfg).await;
-    anyhow::ensure!(
-        r.status == 200,
-        "setting the sidecar's prefill rate: {}",
-        r.json
+    let mut settings = serde_json::Map::new();
+    settings.insert(
+        "prefill_tokens_per_s".into(),
+        json!(PREFILL_TPS as f64 * o.speedup),
     );
+    settings.extend(o.policy.clone());
+    stack.api.merge_config(&settings).await?;
     let engines: Vec<_> = stack.engines.iter().map(|e| e.addr).collect();
     let n_engines = engines.len();
     let wasm = crate::wasm_path();

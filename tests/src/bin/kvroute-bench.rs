@@ -86,6 +86,10 @@ enum Cmd {
         /// Trace time compression factor.
         #[arg(long, default_value_t = 1.0)]
         speedup: f64,
+        /// Replay only the requests of a trace's (or the sessions') first this many
+        /// seconds, before compression (`kvroute-bench peers` replays the sessions' first 900).
+        #[arg(long)]
+        trace_seconds: Option<f64>,
         /// Arrival rate of generated workloads, requests/s (default per workload).
         #[arg(long)]
         rate: Option<f64>,
@@ -157,6 +161,9 @@ enum Cmd {
         chat_users: usize,
         #[arg(long, default_value_t = 200)]
         overhead_requests: usize,
+        /// JSON object merged into the sidecar's policy config, e.g. '{"eviction_weight": 2}'.
+        #[arg(long)]
+        policy: Option<String>,
     },
     /// Replay a Mooncake-format trace through the index (and the radix baseline).
     Trace {
@@ -170,6 +177,20 @@ enum Cmd {
         #[arg(long)]
         sweep: bool,
     },
+}
+
+/// A trace's first `seconds` (all of it without), then its clock `speedup` times faster.
+fn cut_and_compress(
+    reqs: &mut Vec<kvroute_tests::workload::Request>,
+    seconds: Option<f64>,
+    speedup: f64,
+) {
+    if let Some(s) = seconds {
+        reqs.retain(|r| r.ts_ms <= s * 1000.0);
+    }
+    for r in reqs {
+        r.ts_ms /= speedup.max(1e-9);
+    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -202,6 +223,7 @@ fn main() -> anyhow::Result<()> {
             block_text,
             chat_users,
             overhead_requests,
+            policy,
         } => runtime()?.block_on(bench::peers::run(&bench::peers::Opts {
             workloads,
             gateways,
@@ -212,6 +234,11 @@ fn main() -> anyhow::Result<()> {
             block_text,
             chat_users,
             overhead_requests,
+            policy: match policy.as_deref().map(serde_json::from_str) {
+                None => serde_json::Map::new(),
+                Some(Ok(serde_json::Value::Object(m))) => m,
+                Some(_) => anyhow::bail!("--policy takes a JSON object"),
+            },
         }))?,
         Cmd::Route {
             clients,
@@ -232,6 +259,7 @@ fn main() -> anyhow::Result<()> {
             pods,
             capacity_blocks,
             speedup,
+            trace_seconds,
             rate,
             seed,
             policies,
@@ -278,9 +306,7 @@ fn main() -> anyhow::Result<()> {
                         seed,
                     },
                 )?;
-                for r in &mut reqs {
-                    r.ts_ms /= speedup.max(1e-9);
-                }
+                cut_and_compress(&mut reqs, trace_seconds, speedup);
                 runs.push((
                     format!(
                         "agentic sessions ({}), {session_gap_s} s mean start gap",
@@ -294,9 +320,7 @@ fn main() -> anyhow::Result<()> {
                 _ if !runs.is_empty() => {}
                 (Some(path), _) => {
                     let mut reqs = kvroute_tests::workload::load_mooncake(&path)?;
-                    for r in &mut reqs {
-                        r.ts_ms /= speedup.max(1e-9);
-                    }
+                    cut_and_compress(&mut reqs, trace_seconds, speedup);
                     runs.push((
                         path.display().to_string(),
                         reqs,

@@ -346,12 +346,7 @@ async fn steady_runs(
         _ => (stack.plain.url(""), None),
     };
     if let (Some(api), Some(serde_json::Value::Object(settings))) = (sidecar, policy) {
-        let mut cfg = api.get("/v1/config").await.json;
-        for (k, v) in settings {
-            cfg[k] = v;
-        }
-        let r = api.put("/v1/config", &cfg).await;
-        anyhow::ensure!(r.status == 200, "config refused: {}", r.json);
+        api.merge_config(&settings).await?;
     }
     if warm {
         eprintln!("== filling the engines' caches ({capacity_blocks} blocks each)");

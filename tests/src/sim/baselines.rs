@@ -6,7 +6,7 @@
 //! session id behaves as `consistent-hash` on the prompt's first block, and
 //! `consistent-hash` without a chain uses the policy's tie key.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use kvroute_shared::protocol::{PolicyConfig, RouteRequest};
 use kvroute_sidecar::policy::{self, Ask, Candidate, Ranking};
@@ -79,7 +79,7 @@ impl Policy {
             Policy::Session => Box::new(Session::default()),
             Policy::PrefixGreedy => Box::new(PrefixGreedy(seed as usize)),
             Policy::Dynamo => Box::new(Dynamo),
-            Policy::Sglang => Box::new(Sglang),
+            Policy::Sglang => Box::new(Sglang::default()),
             Policy::RankBlind => Box::new(RankBlind {
                 ranks: dp_ranks.max(1),
             }),
@@ -298,26 +298,210 @@ impl Selector for Dynamo {
     }
 }
 
-/// SGLang's router: the deepest match unless load is imbalanced or the match is short.
-struct Sglang;
+/// SGLang's model gateway (`smg` 1.13, `cache_aware` over HTTP), as its code and
+/// `--help` describe it and `kvroute-bench peers` measures it:
+///
+/// - a tree of the prompts **it routed** (not of what the engines hold: it never hears
+///   of an eviction), one tree for all workers, bounded by `--max-tree-size` (64 Mi
+///   characters; a block counts as 4 characters a token), least recently routed first out;
+/// - the worker whose routed prefix is deepest wins when that prefix is more than
+///   `--cache-threshold` (0.3) of the prompt, the most recent of equals;
+/// - unless it spills: its requests in flight exceed the fleet's mean by the margin
+///   (`--balance-abs-threshold` 64, capped at two standard deviations of the mean's
+///   natural swing, 2√mean, and never under 4) and by `--balance-rel-threshold` (1.5×);
+/// - a spill, or a shorter match, goes to the fewest requests in flight (first of equals).
+///
+/// Its load signal is its own count of requests in flight; its worker-overload guard
+/// reads SGLang's `/v1/loads`, which vLLM-style engines do not serve, so it is off here
+/// as it is in front of vLLM.
+#[derive(Default)]
+struct Sglang {
+    /// Chain block (whose hash names its whole prefix) → the pods it was routed to and
+    /// the stamp of the last time.
+    tree: HashMap<u64, Vec<(u64, u64)>>,
+    /// `(block, pod, stamp)` in routing order: least recently routed first.
+    lru: VecDeque<(u64, u64, u64)>,
+    entries: usize,
+    clock: u64,
+}
+
+/// smg's `--max-tree-size` default, in characters.
+const SMG_MAX_TREE_CHARS: usize = 64 << 20;
+
+impl Sglang {
+    /// The deepest routed prefix of `chain` and the pods that routed it, newest last.
+    fn deepest(&self, chain: &[u64]) -> (usize, Option<&Vec<(u64, u64)>>) {
+        let depth = chain
+            .iter()
+            .take_while(|b| self.tree.contains_key(b))
+            .count();
+        (
+            depth,
+            depth.checked_sub(1).and_then(|i| self.tree.get(&chain[i])),
+        )
+    }
+
+    fn insert(&mut self, chain: &[u64], pod: u64, max_entries: usize) {
+        self.clock += 1;
+        let stamp = self.clock;
+        for &b in chain {
+            let pods = self.tree.entry(b).or_default();
+            match pods.iter_mut().find(|e| e.0 == pod) {
+                Some(e) => e.1 = stamp,
+                None => {
+                    pods.push((pod, stamp));
+                    self.entries += 1;
+                }
+            }
+            self.lru.push_back((b, pod, stamp));
+        }
+        while self.entries > max_entries {
+            let Some((b, p, st)) = self.lru.pop_front() else {
+                break;
+            };
+            if let Some(pods) = self.tree.get_mut(&b) {
+                // Only the entry's last routing evicts it; older stamps are stale.
+                if let Some(i) = pods.iter().position(|e| *e == (p, st)) {
+                    pods.swap_remove(i);
+                    self.entries -= 1;
+                    if pods.is_empty() {
+                        self.tree.remove(&b);
+                    }
+                }
+            }
+        }
+        // Stale stamps pile up in the queue; drop them once they outnumber the live.
+        if self.lru.len() > 4 * self.entries.max(1024) {
+            let tree = &self.tree;
+            self.lru
+                .retain(|(b, p, st)| tree.get(b).is_some_and(|v| v.contains(&(*p, *st))));
+        }
+    }
+}
 
 impl Selector for Sglang {
     fn select(
         &mut self,
         _: &PolicyConfig,
-        _: &Ask,
+        ask: &Ask,
         req: &RouteRequest,
         c: &[Candidate],
     ) -> Option<Ranking> {
-        let loads: Vec<u32> = c.iter().map(|x| x.load.inflight).collect();
-        let (mx, mn) = (*loads.iter().max()?, *loads.iter().min()?);
-        let imbalanced = mx.saturating_sub(mn) > 64 && mx as f64 > 1.5 * mn as f64;
-        let best = (0..c.len()).max_by_key(|&k| (c[k].matched, std::cmp::Reverse(k)))?;
-        let ratio = c[best].matched as f64 / req.chain.len().max(1) as f64;
-        if imbalanced || ratio < 0.3 {
-            (0..c.len()).min_by_key(|&k| (loads[k], k)).and_then(chose)
-        } else {
-            chose(best)
+        let least = (0..c.len()).min_by_key(|&k| c[k].load.inflight)?;
+        let (depth, pods) = self.deepest(&req.chain);
+        let tenant = pods.and_then(|v| {
+            v.iter()
+                .filter_map(|&(pod, st)| c.iter().position(|x| x.key == pod).map(|k| (st, k)))
+                .max()
+                .map(|(_, k)| k)
+        });
+        let rate = depth as f64 / ask.prompt_blocks.max(1) as f64;
+        let pick = match tenant {
+            Some(k) if rate > 0.3 => {
+                let mean = c.iter().map(|x| x.load.inflight as f64).sum::<f64>() / c.len() as f64;
+                let margin = (2.0 * mean.sqrt()).clamp(4.0, 64.0);
+                let load = c[k].load.inflight as f64;
+                if load > mean + margin && load > 1.5 * mean {
+                    least
+                } else {
+                    k
+                }
+            }
+            _ => least,
+        };
+        let max_entries = SMG_MAX_TREE_CHARS / (4 * ask.block_size.max(1) as usize);
+        self.insert(&req.chain, c[pick].key, max_entries);
+        chose(pick)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute_shared::Mode;
+    use kvroute_sidecar::policy::LoadView;
+
+    fn cands(inflight: &[u32]) -> Vec<Candidate> {
+        inflight
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| Candidate {
+                index: i,
+                key: 100 + i as u64,
+                // What the engines hold plays no part: smg never hears of it.
+                matched: 0,
+                predicted: 0,
+                tiers: None,
+                stale: false,
+                load: LoadView {
+                    inflight: n,
+                    ..LoadView::default()
+                },
+                bound: 0.0,
+                pinned: false,
+                pressure: 0.0,
+            })
+            .collect()
+    }
+
+    fn req(chain: Vec<u64>) -> RouteRequest {
+        RouteRequest {
+            mode: Mode::Text,
+            ..RouteRequest::tokens("m", 16, chain)
         }
+    }
+
+    fn ask(blocks: usize) -> Ask {
+        Ask {
+            prompt_blocks: blocks as u32,
+            block_size: 64,
+            tie_key: 0,
+            seed: 0,
+            load_only: false,
+            spread_ties: false,
+        }
+    }
+
+    fn pick(s: &mut Sglang, chain: &[u64], inflight: &[u32]) -> usize {
+        s.select(
+            &PolicyConfig::default(),
+            &ask(chain.len()),
+            &req(chain.to_vec()),
+            &cands(inflight),
+        )
+        .expect("a pick")
+        .chosen()
+    }
+
+    #[test]
+    fn the_smg_imitation_follows_what_it_routed_and_spills_only_past_its_margin() {
+        let mut s = Sglang::default();
+        // A new prompt goes to the fewest in flight.
+        assert_eq!(pick(&mut s, &[1, 2, 3, 4], &[3, 1, 2, 5]), 1);
+        // Its next turn (4 of 5 blocks routed) follows it there, busier or not, whatever
+        // the engines hold (mean 1.25, margin 4: 5 is not past 5.25)...
+        assert_eq!(pick(&mut s, &[1, 2, 3, 4, 5], &[0, 5, 0, 0]), 1);
+        // ...until the pod spills: mean 3, margin max(2√3, 4) = 4, so 8 > 7 and > 4.5.
+        assert_eq!(pick(&mut s, &[1, 2, 3, 4, 5, 6], &[1, 8, 0, 3]), 2);
+        // Both pods routed [1..5]: the newest routing of it wins.
+        assert_eq!(pick(&mut s, &[1, 2, 3, 4, 5, 99], &[0, 0, 0, 0]), 2);
+        // A match of 0.3 or less is a new prompt: fewest in flight (first of equals).
+        assert_eq!(pick(&mut s, &[1, 2, 30, 40, 50, 60, 70], &[2, 1, 1, 2]), 1);
+    }
+
+    #[test]
+    fn the_smg_imitation_forgets_the_least_recently_routed_past_its_bound() {
+        let mut s = Sglang::default();
+        for b in 0..10u64 {
+            s.insert(&[b], 7, 4);
+        }
+        assert_eq!(s.entries, 4);
+        assert_eq!(s.deepest(&[5]).0, 0);
+        assert_eq!(s.deepest(&[9]).0, 1);
+        // Routing a block again renews it: the older stamp in the queue is stale.
+        s.insert(&[6], 7, 4);
+        s.insert(&[10], 7, 4);
+        assert_eq!(s.deepest(&[6]).0, 1, "renewed, so not the oldest");
+        assert_eq!(s.deepest(&[7]).0, 0);
     }
 }

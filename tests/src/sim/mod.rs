@@ -179,6 +179,9 @@ pub struct SimResult {
     /// Decisions and the reports the gateways judged mispredicted (all gateways).
     pub decisions: u64,
     pub mispredictions: u64,
+    /// Share of the requests continuing a session (an earlier request with the same
+    /// session id ran) that ran on another pod than the session's previous request.
+    pub session_moves: f64,
     /// With admission: requests shed (TTL passed, or pushed out of a full queue),
     /// requests that waited in the queue, the most bytes it held, and figures per
     /// (priority, tenant) class.
@@ -209,7 +212,7 @@ impl SimResult {
                "hit_rate": r(self.hit_rate), "ttft_mean_ms": r(self.ttft_mean_ms),
                "ttft_p50_ms": r(self.ttft_p50_ms), "ttft_p99_ms": r(self.ttft_p99_ms), "e2e_mean_ms": r(self.e2e_mean_ms),
                "e2e_p99_ms": r(self.e2e_p99_ms), "throughput_rps": r(self.throughput_rps), "max_mean_load": r(self.max_mean_load),
-               "mispredictions": self.mispredictions, "queued": self.queued, "shed": self.shed})
+               "mispredictions": self.mispredictions, "session_moves": r(self.session_moves), "queued": self.queued, "shed": self.shed})
     }
 }
 
@@ -750,6 +753,7 @@ pub fn simulate_labelled(reqs: &[Request], o: &SimOpts, p: Policy, workload: &st
         - s.arrive.iter().copied().fold(f64::INFINITY, f64::min);
     let loads: Vec<f64> = s.pods.iter().map(|p| p.assigned as f64).collect();
     let mean = loads.iter().sum::<f64>() / loads.len().max(1) as f64;
+    let (continued, moved) = session_moves(reqs, &ran, &s.arrive, &s.pod_of);
     SimResult {
         policy: p.name().to_string(),
         workload: workload.to_string(),
@@ -773,11 +777,31 @@ pub fn simulate_labelled(reqs: &[Request], o: &SimOpts, p: Policy, workload: &st
             .iter()
             .map(|g| g.sc.metrics.mispredictions.get())
             .sum(),
+        session_moves: moved as f64 / continued.max(1) as f64,
         shed: s.shed.iter().filter(|&&x| x).count() as u64,
         queued: s.from_queue.iter().filter(|&&x| x).count() as u64,
         queue_peak_bytes: s.queue_peak_bytes,
         classes,
     }
+}
+
+/// Of the requests `ran` that continue a session, how many there are and how many ran
+/// on another pod than the session's previous one (in arrival order).
+fn session_moves(reqs: &[Request], ran: &[usize], arrive: &[f64], pod_of: &[usize]) -> (u64, u64) {
+    let mut order: Vec<usize> = ran.to_vec();
+    order.sort_by(|&a, &b| arrive[a].total_cmp(&arrive[b]));
+    let mut last: HashMap<u64, usize> = HashMap::new();
+    let (mut continued, mut moved) = (0, 0);
+    for i in order {
+        let Some(sess) = reqs[i].session else {
+            continue;
+        };
+        if let Some(prev) = last.insert(sess, pod_of[i]) {
+            continued += 1;
+            moved += u64::from(prev != pod_of[i]);
+        }
+    }
+    (continued, moved)
 }
 
 /// Figures per (priority, tenant) class, in class order.
