@@ -383,7 +383,7 @@ pub async fn run(o: &Opts) -> anyhow::Result<Value> {
     eprintln!("== filling the engines' caches");
     crate::steady::fill_caches(&engines, o.capacity_blocks, 16, 1.5).await?;
     let mut out = json!({"engines": n_engines, "capacity_blocks": o.capacity_blocks,
-        "rounds": o.rounds, "versions": {"smg": crate::peers::SMG_VERSION,
+        "rounds": o.rounds, "policy": o.policy, "versions": {"smg": crate::peers::SMG_VERSION,
         "vllm-router": crate::peers::VLLM_ROUTER_VERSION}, "workloads": {}});
     let mut printed = String::new();
     for (wi, name) in o.workloads.iter().enumerate() {
