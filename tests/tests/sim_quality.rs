@@ -377,8 +377,11 @@ fn data_parallel_ranks_route_as_separate_pods() {
 /// engines of 1,024 trace blocks, the sessions' first 900 s as text) beside the
 /// simulator's imitation of SGLang's gateway, which reads the same there as the real
 /// `smg` 1.13 does live (docs/benchmarks.md: 0.39 hit rate simulated, 0.39–0.41 live;
-/// round-robin 0.12 and 0.13). kvroute's default trades some of the hits for balance:
-/// its mean and p99 TTFT must stay the lowest, its hit rate within 6 points of smg's.
+/// round-robin 0.12 and 0.13). kvroute's default waits for a session's home where the
+/// caches evict (`eviction_load_cut`), and trades a little of the hits for balance: its
+/// mean TTFT must stay the lowest, its p99 below the cache-keeping policies' (round-robin,
+/// which never queues behind a home, is within 2% of it), its hit rate within 3 points of
+/// smg's (0.376 against 0.392; 0.350 with the cut off).
 #[test]
 fn on_the_live_agentic_case_kvroute_keeps_the_lowest_ttft_beside_smg() {
     let mut reqs = agentic_sessions();
@@ -405,10 +408,21 @@ fn on_the_live_agentic_case_kvroute_keeps_the_lowest_ttft_beside_smg() {
     let (kv, smg) = (&r[0], &r[1]);
     for x in &r[1..] {
         assert!(
-            kv.ttft_mean_ms < x.ttft_mean_ms && kv.ttft_p99_ms < x.ttft_p99_ms,
+            kv.ttft_mean_ms < x.ttft_mean_ms,
             "kvroute {kv:?} behind {x:?}"
         );
     }
+    for x in &r[1..3] {
+        assert!(
+            kv.ttft_p99_ms < x.ttft_p99_ms,
+            "kvroute {kv:?} behind {x:?}"
+        );
+    }
+    assert!(
+        kv.ttft_p99_ms < 1.05 * r[3].ttft_p99_ms,
+        "{kv:?} vs {:?}",
+        r[3]
+    );
     assert!(
         (0.35..0.45).contains(&smg.hit_rate) && r[3].hit_rate < 0.15,
         "the imitation no longer reads as smg and round-robin do live: {:.3}, {:.3}",
@@ -416,7 +430,7 @@ fn on_the_live_agentic_case_kvroute_keeps_the_lowest_ttft_beside_smg() {
         r[3].hit_rate
     );
     assert!(
-        kv.hit_rate >= smg.hit_rate - 0.06,
+        kv.hit_rate >= smg.hit_rate - 0.03,
         "hit rate {:.3} against smg's {:.3}",
         kv.hit_rate,
         smg.hit_rate

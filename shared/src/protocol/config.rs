@@ -103,6 +103,15 @@ pub struct PolicyConfig {
     /// evicts another prompt's blocks, so copying a prefix that lives elsewhere (to
     /// save a short wait) costs the hits of whoever was using that space; 0 = off.
     pub eviction_weight: f64,
+    /// For a request whose prompt has a home (some pod holds more of it than every pod
+    /// is credited), the queued-prefill weight falls as the fleet's caches evict:
+    /// `load_weight / (1 + eviction_load_cut × pressure)`, the pressure being the
+    /// candidates' mean. Where every cache evicts what it is sent, a prompt sent off its
+    /// cache to skip a queue is prefilled whole elsewhere and pushes out the prompts
+    /// cached there. New prompts keep the full weight: their placement is what spreads
+    /// prompts over pods (0 = off; token chains have no pressure). 50: at a pressure of
+    /// 0.2 a queue counts a tenth (docs/policy.md).
+    pub eviction_load_cut: f64,
     /// Pods whose cost is within this much of the best (in blocks of prefill) are equals,
     /// and the request's tie key picks among them. Replicas that route concurrent cold
     /// requests before hearing of each other's decisions then spread them instead of all
@@ -352,6 +361,7 @@ impl Default for PolicyConfig {
             saturation_backlog_s: 2.0,
             saturation_weight: 8.0,
             eviction_weight: 0.0,
+            eviction_load_cut: 50.0,
             near_tie_cost: 3.0,
             temperature: 0.0,
             explain: false,
@@ -392,6 +402,7 @@ impl PolicyConfig {
         finite_nonneg("saturation_backlog_s", self.saturation_backlog_s);
         finite_nonneg("saturation_weight", self.saturation_weight);
         finite_nonneg("eviction_weight", self.eviction_weight);
+        finite_nonneg("eviction_load_cut", self.eviction_load_cut);
         finite_nonneg("temperature", self.temperature);
         for (tier, c) in &self.tier_cost {
             if !(0.0..=1.0).contains(c) {

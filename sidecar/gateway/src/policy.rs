@@ -172,7 +172,7 @@ pub fn hits(cfg: &PolicyConfig, c: &Candidate) -> f64 {
 /// `shared`: hits credited to every candidate; `cold`: no candidate holds more, so this
 /// places a new home and the pods' recent work counts; `saturation`: how much more an
 /// uncached block weighs because the whole fleet is behind (0 unless saturated, see
-/// [`saturation`]).
+/// [`saturation`]); `load_weight`: the weight of queued prefill ([`load_weight`]).
 pub fn cost(
     cfg: &PolicyConfig,
     ask: &Ask,
@@ -180,6 +180,7 @@ pub fn cost(
     shared: f64,
     cold: bool,
     saturation: f64,
+    load_weight: f64,
 ) -> Score {
     let hits = if ask.load_only {
         0.0
@@ -203,7 +204,7 @@ pub fn cost(
     // 0.36-0.56 when the first turns of a run split them).
     let evicting = cfg.eviction_weight * c.pressure.clamp(0.0, 1.0);
     let cost = prefill_w * uncached * (1.0 + saturation + evicting)
-        + cfg.load_weight * queued_prefill
+        + load_weight * queued_prefill
         + cfg.decode_weight * decode
         + cfg.queue_weight * c.load.queued as f64
         + if cold {
@@ -248,6 +249,27 @@ pub fn shared_hits(cfg: &PolicyConfig, cands: &[Candidate]) -> f64 {
     let mut h: Vec<f64> = cands.iter().map(|c| hits(cfg, c)).collect();
     h.sort_by(|a, b| b.total_cmp(a));
     h.get(half - 1).copied().unwrap_or(0.0)
+}
+
+/// The weight of a pod's queued prefill against an uncached block for a request whose
+/// prompt has a home (`cold` false): `load_weight`, cut by the candidates' mean eviction
+/// pressure (`eviction_load_cut`). Skipping a queue is the TTFT-greedy choice, but where
+/// the caches evict, the prompt sent elsewhere is prefilled whole there and evicts the
+/// prompts that pod held (the live agentic sessions: kvroute moved one turn in seven off
+/// its cache and reused 35% of prompt blocks, SGLang's gateway one in a hundred and 40%;
+/// docs/policy.md). The mean, not each pod's own: a pod that evicts less would otherwise
+/// draw the moves. A new prompt keeps the full weight: placing new prompts by load is
+/// what spreads them over pods whose caches hold one each.
+pub fn load_weight(cfg: &PolicyConfig, cands: &[Candidate], cold: bool) -> f64 {
+    if cold || cfg.eviction_load_cut <= 0.0 || cands.is_empty() {
+        return cfg.load_weight;
+    }
+    let pressure = cands
+        .iter()
+        .map(|c| c.pressure.clamp(0.0, 1.0))
+        .sum::<f64>()
+        / cands.len() as f64;
+    cfg.load_weight / (1.0 + cfg.eviction_load_cut * pressure)
 }
 
 /// How far behind the whole fleet is, as the extra weight of an uncached block: 0 while
@@ -360,12 +382,13 @@ pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Rankin
     // batch fills at a few requests per pod with long outputs, well within the slack).
     let full_batch = cfg.full_batch_guard && cands.iter().any(|c| c.load.queued == 0);
     let saturated = saturation(cfg, ask, cands);
+    let load_w = load_weight(cfg, cands, cold);
     let mut order: Vec<Rank> = cands
         .iter()
         .enumerate()
         .map(|(i, c)| Rank {
             candidate: i,
-            score: cost(cfg, ask, c, shared, cold, saturated),
+            score: cost(cfg, ask, c, shared, cold, saturated, load_w),
             // Saturated, the guards would send prompts off their caches to pods that are
             // behind as well: the cost alone decides.
             within_balance: saturated > 0.0
@@ -786,7 +809,8 @@ mod tests {
                 &c,
                 0.0,
                 false,
-                0.0
+                0.0,
+                cfg.load_weight
             )
             .cost,
             0.0
@@ -900,6 +924,54 @@ mod tests {
             "no sign of eviction: the copy starts sooner"
         );
         assert_eq!(chosen(&on, 0.4), 0, "a cache that evicts: stay");
-        assert_ne!(chosen(&PolicyConfig::default(), 0.4), 0, "off by default");
+        let neither = PolicyConfig {
+            eviction_load_cut: 0.0,
+            ..PolicyConfig::default()
+        };
+        assert_ne!(chosen(&neither, 0.4), 0, "the weight is off by default");
+        // The default's cut of the queue's weight keeps it home as well.
+        assert_eq!(chosen(&PolicyConfig::default(), 0.4), 0);
+    }
+
+    #[test]
+    fn where_caches_evict_a_session_waits_for_its_home_but_new_prompts_spread() {
+        let on = PolicyConfig::default();
+        let off = PolicyConfig {
+            eviction_load_cut: 0.0,
+            ..PolicyConfig::default()
+        };
+        // The home holds 180 of the prompt's 200 blocks (predicted) behind 250 blocks of
+        // queued prefill; three pods are idle and hold none of it.
+        let chosen = |cfg: &PolicyConfig, pressure: f64, home_holds: u32| {
+            let home = Candidate {
+                predicted: home_holds,
+                pressure,
+                ..cand(0, 0, 1, 250 * 16)
+            };
+            let idle = |i: usize| Candidate {
+                pressure,
+                ..cand(i, 0, 0, 0)
+            };
+            let c = [home, idle(1), idle(2), idle(3)];
+            pick(cfg, &ask(200), &c).expect("pick").chosen()
+        };
+        assert_ne!(chosen(&on, 0.0, 180), 0, "no eviction seen: skip the queue");
+        assert_eq!(
+            chosen(&on, 0.2, 180),
+            0,
+            "caches that evict: wait for the home"
+        );
+        assert_ne!(
+            chosen(&off, 0.2, 180),
+            0,
+            "with the cut off: skip the queue"
+        );
+        // A prompt no pod holds is placed by load whatever the pressure.
+        assert_ne!(
+            chosen(&on, 0.9, 0),
+            0,
+            "a new prompt goes where there is no queue"
+        );
+        assert_eq!(load_weight(&on, &[], false), on.load_weight);
     }
 }
