@@ -3,10 +3,17 @@
 //! `join`, `upper`, `lower`, `capitalize`, `replace`, `format`'s `%`), and Jinja2's
 //! treatment of undefined and None (`length` of undefined is 0, `first`/`last` of nothing
 //! is undefined, `float`/`int` fall back to their defaults, `iterable` is Python's
-//! `iter()`). Each is proven against Jinja2 by `tests/tests/template_fidelity.rs`.
+//! `iter()`), and the filters Jinja2 writes as generators (`select`, `selectattr`,
+//! `reject`, `rejectattr`, `map`, `items`): their result is lazy, so it is true in an
+//! `if` even when it would yield nothing, has no length and no last item, and an input
+//! they cannot go through fails only where the result is iterated, not where it is made.
+//! Each is proven against Jinja2 by `tests/tests/template_fidelity.rs`.
 
-use minijinja::value::{Kwargs, Rest, Value};
-use minijinja::{Environment, Error, ErrorKind};
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use minijinja::value::{Enumerator, Kwargs, Object, ObjectRepr, Rest, Value};
+use minijinja::{Environment, Error, ErrorKind, State};
 
 use super::pyvalue;
 use super::template::{py_strip, Ends};
@@ -34,6 +41,126 @@ pub fn add(env: &mut Environment<'static>) {
             .map_err(|e| Error::new(ErrorKind::InvalidOperation, e))
     });
     env.add_test("iterable", iterable);
+    env.add_filter("list", list);
+    env.add_filter("items", |v: Value| {
+        Generator::made(&v, || match v.kind() {
+            minijinja::value::ValueKind::Undefined => Ok(Vec::new()),
+            _ => minijinja::filters::items(&v)?
+                .try_iter()
+                .map(Iterator::collect),
+        })
+    });
+    env.add_filter(
+        "select",
+        |state: &State, v: Value, test: Option<String>, args: Rest<Value>| {
+            Generator::made(&v, || {
+                minijinja::filters::select(state, v.clone(), test.map(Cow::Owned), args)
+            })
+        },
+    );
+    env.add_filter(
+        "reject",
+        |state: &State, v: Value, test: Option<String>, args: Rest<Value>| {
+            Generator::made(&v, || {
+                minijinja::filters::reject(state, v.clone(), test.map(Cow::Owned), args)
+            })
+        },
+    );
+    env.add_filter(
+        "selectattr",
+        |state: &State, v: Value, attr: String, test: Option<String>, args: Rest<Value>| {
+            Generator::made(&v, || {
+                let test = test.map(Cow::Owned);
+                minijinja::filters::selectattr(state, v.clone(), Cow::Owned(attr), test, args)
+            })
+        },
+    );
+    env.add_filter(
+        "rejectattr",
+        |state: &State, v: Value, attr: String, test: Option<String>, args: Rest<Value>| {
+            Generator::made(&v, || {
+                let test = test.map(Cow::Owned);
+                minijinja::filters::rejectattr(state, v.clone(), Cow::Owned(attr), test, args)
+            })
+        },
+    );
+    env.add_filter("map", |state: &State, v: Value, args: Rest<Value>| {
+        Generator::made(&v, || minijinja::filters::map(state, v.clone(), args))
+    });
+}
+
+/// What a Jinja2 generator filter returned: its items, computed at once (templates are
+/// small and a context's values cannot change under it), or the error iterating it
+/// raises. Unlike a list it is always true, has no length and cannot be reversed. (A
+/// Python generator also runs dry after one pass; a template that iterates one result
+/// twice sees it twice here.)
+#[derive(Debug)]
+struct Generator(Result<Vec<Value>, String>);
+
+impl Generator {
+    /// `make`'s items as a generator; a failed generator stays failed through another.
+    fn made(input: &Value, make: impl FnOnce() -> Result<Vec<Value>, Error>) -> Value {
+        if let Some(Err(e)) = Generator::of(input) {
+            return Value::from_object(Generator(Err(e.clone())));
+        }
+        Value::from_object(Generator(make().map_err(|e| e.to_string())))
+    }
+
+    /// `v`'s items, or the error iterating it raises, when `v` is a generator.
+    fn of(v: &Value) -> Option<&Result<Vec<Value>, String>> {
+        v.downcast_object_ref::<Generator>().map(|g| &g.0)
+    }
+
+    /// The error iterating `v` raises, when it is a failed generator.
+    fn check(v: &Value) -> Result<(), Error> {
+        match Generator::of(v) {
+            Some(Err(e)) => Err(Error::new(ErrorKind::InvalidOperation, e.clone())),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl Object for Generator {
+    fn repr(self: &Arc<Self>) -> ObjectRepr {
+        ObjectRepr::Iterable
+    }
+
+    fn enumerate(self: &Arc<Self>) -> Enumerator {
+        match &self.0 {
+            Ok(items) => Enumerator::Values(items.clone()),
+            // A `for` over it fails on this item, as Python's iteration raises.
+            Err(e) => Enumerator::Values(vec![Value::from(Error::new(
+                ErrorKind::InvalidOperation,
+                e.clone(),
+            ))]),
+        }
+    }
+
+    fn enumerator_len(self: &Arc<Self>) -> Option<usize> {
+        None
+    }
+
+    fn is_true(self: &Arc<Self>) -> bool {
+        true
+    }
+
+    fn render(self: &Arc<Self>, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<generator object>")
+    }
+}
+
+/// Jinja2's `list`: Python's `list()`, which runs a generator (and raises its error).
+fn list(state: &State, v: Value) -> Result<Value, Error> {
+    Generator::check(&v)?;
+    match Generator::of(&v) {
+        Some(Ok(items)) => Ok(Value::from(items.clone())),
+        _ => minijinja::filters::list(state, v),
+    }
+}
+
+/// Whether `v` is what a Jinja2 generator filter returned.
+pub(super) fn is_generator(v: &Value) -> bool {
+    Generator::of(v).is_some()
 }
 
 /// Jinja2's `string` filter: Python's `str()`.
@@ -56,6 +183,7 @@ fn join(v: Value, d: Option<String>, kwargs: Kwargs) -> Result<String, Error> {
     if v.is_undefined() {
         return Ok(String::new());
     }
+    Generator::check(&v)?;
     let items = v.try_iter()?;
     let mut out = String::new();
     for (i, item) in items.enumerate() {
@@ -123,7 +251,13 @@ fn end_item(v: Value, first: bool) -> Result<Value, Error> {
             };
             Ok(c.map_or(Value::UNDEFINED, Value::from))
         }
+        // Python cannot reverse a generator.
+        ValueKind::Iterable if !first && is_generator(&v) => Err(Error::new(
+            ErrorKind::InvalidOperation,
+            "'generator' object is not reversible",
+        )),
         ValueKind::Seq | ValueKind::Map | ValueKind::Iterable => {
+            Generator::check(&v)?;
             let mut items = v.try_iter()?;
             Ok(if first { items.next() } else { items.last() }.unwrap_or(Value::UNDEFINED))
         }

@@ -35,6 +35,10 @@ pub fn repr(v: &Value, out: &mut String) {
     match v.kind() {
         ValueKind::String => str_repr(v.as_str().unwrap_or_default(), out),
         ValueKind::Number => number(v, out),
+        // Python prints a generator with its address; no template means that text.
+        ValueKind::Iterable if super::filters::is_generator(v) => {
+            out.push_str("<generator object>")
+        }
         ValueKind::Seq | ValueKind::Iterable if !v.is_safe() => {
             out.push('[');
             if let Ok(items) = v.try_iter() {

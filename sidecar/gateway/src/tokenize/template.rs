@@ -284,6 +284,12 @@ fn tojson(v: Value, kwargs: Kwargs) -> Result<Value, Error> {
     let _: Option<bool> = kwargs.get("ensure_ascii")?;
     let _: Option<Value> = kwargs.get("separators")?;
     kwargs.assert_all_used()?;
+    if filters::is_generator(&v) {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            "tojson: a generator is not JSON serializable",
+        ));
+    }
     if v.is_undefined() {
         // json.dumps(Undefined) raises in Jinja2 (a missing tool description, say).
         return Err(Error::new(
@@ -512,6 +518,44 @@ mod tests {
                 .as_deref(),
             Ok("bayx")
         );
+    }
+
+    /// Jinja2's `select`/`selectattr`/`reject`/`rejectattr`/`map`/`items` are generators
+    /// (each expectation is what Jinja2 3.1 under transformers renders).
+    #[test]
+    fn generator_filters_are_lazy_as_jinja2s() {
+        let ctx = serde_json::json!({"m": [{"role": "user"}], "n": 2.5, "d": {"a": 1}});
+        let try_render = |src: &str| {
+            environment(src.to_string())
+                .expect("template")
+                .get_template(NAME)
+                .expect("t")
+                .render(ctx.clone())
+        };
+        // Always true, even when nothing would come out.
+        let src = "{% if m | selectattr('role', 'equalto', 'system') %}yes{% endif %}";
+        assert_eq!(render(src, ctx.clone()), "yes");
+        // Made over what it cannot iterate: fails only when iterated.
+        assert_eq!(
+            render("{% set g = n | map('string') %}ok", ctx.clone()),
+            "ok"
+        );
+        assert!(try_render("{{ n | map('string') | list }}").is_err());
+        assert!(try_render("{% for x in n | select %}{% endfor %}").is_err());
+        // Run through: what a list would give; no length, no last item, no JSON.
+        assert_eq!(
+            render("{{ m | map(attribute='role') | join(',') }}", ctx.clone()),
+            "user"
+        );
+        assert_eq!(render("{{ (d | items | list)[0][1] }}", ctx.clone()), "1");
+        assert_eq!(render("{{ missing | items | list }}", ctx.clone()), "[]");
+        assert_eq!(
+            render("{{ (m | reject('none') | first).role }}", ctx.clone()),
+            "user"
+        );
+        assert!(try_render("{{ m | select | length }}").is_err());
+        assert!(try_render("{{ m | select | last }}").is_err());
+        assert!(try_render("{{ m | select | tojson }}").is_err());
     }
 
     #[test]
