@@ -50,43 +50,38 @@ pub fn add(env: &mut Environment<'static>) {
                 .map(Iterator::collect),
         })
     });
-    env.add_filter(
-        "select",
-        |state: &State, v: Value, test: Option<String>, args: Rest<Value>| {
-            Generator::made(&v, || {
-                minijinja::filters::select(state, v.clone(), test.map(Cow::Owned), args)
-            })
-        },
-    );
-    env.add_filter(
-        "reject",
-        |state: &State, v: Value, test: Option<String>, args: Rest<Value>| {
-            Generator::made(&v, || {
-                minijinja::filters::reject(state, v.clone(), test.map(Cow::Owned), args)
-            })
-        },
-    );
-    env.add_filter(
-        "selectattr",
-        |state: &State, v: Value, attr: String, test: Option<String>, args: Rest<Value>| {
-            Generator::made(&v, || {
-                let test = test.map(Cow::Owned);
-                minijinja::filters::selectattr(state, v.clone(), Cow::Owned(attr), test, args)
-            })
-        },
-    );
-    env.add_filter(
-        "rejectattr",
-        |state: &State, v: Value, attr: String, test: Option<String>, args: Rest<Value>| {
-            Generator::made(&v, || {
-                let test = test.map(Cow::Owned);
-                minijinja::filters::rejectattr(state, v.clone(), Cow::Owned(attr), test, args)
-            })
-        },
-    );
+    env.add_filter("select", by_test(minijinja::filters::select));
+    env.add_filter("reject", by_test(minijinja::filters::reject));
+    env.add_filter("selectattr", by_attr(minijinja::filters::selectattr));
+    env.add_filter("rejectattr", by_attr(minijinja::filters::rejectattr));
     env.add_filter("map", |state: &State, v: Value, args: Rest<Value>| {
         Generator::made(&v, || minijinja::filters::map(state, v.clone(), args))
     });
+}
+
+/// minijinja's `select`/`reject` made a generator filter.
+type ByTest = fn(&State, Value, Option<Cow<'_, str>>, Rest<Value>) -> Result<Vec<Value>, Error>;
+fn by_test(f: ByTest) -> impl Fn(&State, Value, Option<String>, Rest<Value>) -> Value {
+    move |state, v, test, args| {
+        Generator::made(&v, || f(state, v.clone(), test.map(Cow::Owned), args))
+    }
+}
+
+/// minijinja's `selectattr`/`rejectattr` made a generator filter.
+type ByAttr =
+    fn(&State, Value, Cow<'_, str>, Option<Cow<'_, str>>, Rest<Value>) -> Result<Vec<Value>, Error>;
+fn by_attr(f: ByAttr) -> impl Fn(&State, Value, String, Option<String>, Rest<Value>) -> Value {
+    move |state, v, attr, test, args| {
+        Generator::made(&v, || {
+            f(
+                state,
+                v.clone(),
+                Cow::Owned(attr),
+                test.map(Cow::Owned),
+                args,
+            )
+        })
+    }
 }
 
 /// What a Jinja2 generator filter returned: its items, computed at once (templates are
