@@ -67,7 +67,7 @@ enum Cmd {
         /// A Mooncake-format trace (512-token blocks).
         #[arg(long, conflicts_with = "workload")]
         trace: Option<PathBuf>,
-        /// sglang-shared-prefix | llmd-prefix | multiround-qa | all
+        /// sglang-shared-prefix | llmd-prefix | multiround-qa | multiturn-chat | all
         #[arg(long)]
         workload: Option<String>,
         /// Replay agentic sessions (kv-cache-tester format: a directory or .tar.gz; with

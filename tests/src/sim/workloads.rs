@@ -80,6 +80,32 @@ pub fn generated(name: &str, block_tokens: u32, rate_rps: f64, seed: u64) -> Opt
                 reqs.extend(round);
             }
         }
+        // Multi-turn chat, the shape of ShareGPT-style conversations: 64 users x 8
+        // turns behind a short shared 200-token system prompt; each turn adds a
+        // 100-500-token question and a 200-600-token answer. Unlike multi-round QA,
+        // most of a later turn's prompt is its own conversation, held wherever that
+        // conversation ran before; the shared part every pod can hold is small.
+        "multiturn-chat" => {
+            let system = fresh(200);
+            let mut hist: Vec<Vec<u64>> = (0..64).map(|_| system.clone()).collect();
+            for _turn in 0..8 {
+                let mut round = Vec::new();
+                for (u, h) in hist.iter_mut().enumerate() {
+                    h.extend(fresh(100 + 16 * rng.below(26) as u32));
+                    let answer = 200 + 16 * rng.below(26) as u32;
+                    round.push(Request {
+                        ts_ms: 0.0,
+                        input_tokens: h.len() as u32 * block_tokens,
+                        output_tokens: answer,
+                        chain: h.clone(),
+                        session: Some(u as u64 + 1),
+                    });
+                    h.extend(fresh(answer));
+                }
+                shuffle(&mut round, &mut rng);
+                reqs.extend(round);
+            }
+        }
         _ => return None,
     }
     // Poisson arrivals.
@@ -98,7 +124,12 @@ fn shuffle<T>(v: &mut [T], rng: &mut Rng) {
     }
 }
 
-pub const WORKLOADS: [&str; 3] = ["sglang-shared-prefix", "llmd-prefix", "multiround-qa"];
+pub const WORKLOADS: [&str; 4] = [
+    "sglang-shared-prefix",
+    "llmd-prefix",
+    "multiround-qa",
+    "multiturn-chat",
+];
 
 /// Arrival rates that load 8 default pods to roughly two thirds of their capacity.
 pub fn default_rate(name: &str) -> f64 {
