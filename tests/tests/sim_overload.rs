@@ -124,8 +124,8 @@ fn overload_with(seed: u64, gateways: usize) -> (f64, f64, u64) {
     );
     for c in &gated.classes {
         eprintln!(
-            "  priority {} tenant {}: {} requests, {} served, {} shed, {} left the queue, TTFT mean {:.0} p99 {:.0} ms",
-            c.priority, c.tenant, c.requests, c.served, c.shed, c.dispatched_saturated, c.ttft_mean_ms, c.ttft_p99_ms
+            "  priority {} tenant {}: {} requests, {} served, {} shed, {} left the queue ({} with the other tenant waiting), TTFT mean {:.0} p99 {:.0} ms",
+            c.priority, c.tenant, c.requests, c.served, c.shed, c.dispatched_saturated, c.dispatched_contested, c.ttft_mean_ms, c.ttft_p99_ms
         );
     }
     assert_eq!(open.shed, 0, "an open gate queues nothing");
@@ -145,10 +145,28 @@ fn overload_with(seed: u64, gateways: usize) -> (f64, f64, u64) {
             floor.ttft_p99_ms
         );
     }
-    // The light tenant takes its turns: it is shed no more often than the heavy one.
+    // The light tenant takes its turns: it is shed no more often than the heavy one, and
+    // of what leaves the low band while both wait there it gets at least twice its share
+    // of the requests (first come, first served would give it that share).
     let (heavy, light) = (class(&gated, 0, 0), class(&gated, 0, 1));
     assert!(
         light.shed as f64 / light.requests as f64 <= heavy.shed as f64 / heavy.requests as f64,
+        "light tenant {light:?} vs heavy {heavy:?}"
+    );
+    let contested = (heavy.dispatched_contested + light.dispatched_contested) as f64;
+    let share = light.requests as f64 / (light.requests + heavy.requests) as f64;
+    eprintln!(
+        "  while both tenants waited: the light one left the queue {} of {contested} times ({:.0}%; {:.0}% of the requests)",
+        light.dispatched_contested,
+        100.0 * light.dispatched_contested as f64 / contested.max(1.0),
+        100.0 * share
+    );
+    assert!(
+        contested >= 20.0,
+        "both tenants waited together: {contested}"
+    );
+    assert!(
+        light.dispatched_contested as f64 >= 2.0 * share * contested,
         "light tenant {light:?} vs heavy {heavy:?}"
     );
     assert!(gated.queue_peak_bytes <= max_bytes);

@@ -201,6 +201,8 @@ pub struct ClassFigures {
     pub served: u64,
     pub shed: u64,
     pub dispatched_saturated: u64,
+    /// Of those, dispatched while another tenant of the same band was waiting too.
+    pub dispatched_contested: u64,
     pub ttft_mean_ms: f64,
     pub ttft_p99_ms: f64,
 }
@@ -293,6 +295,9 @@ struct Sim<'a> {
     done: Vec<f64>,
     shed: Vec<bool>,
     from_queue: Vec<bool>,
+    /// Left the queue while another tenant of its band was waiting too: the dispatches
+    /// fairness decides.
+    contested: Vec<bool>,
     queue_peak_bytes: usize,
 }
 
@@ -496,10 +501,22 @@ impl Sim<'_> {
         // The queue is out of `self` meanwhile, since routing needs all of it.
         let limits = self.gws[g].queue.limits();
         let mut q = std::mem::replace(&mut self.gws[g].queue, AdmissionQueue::new(limits));
+        // Who waits in each band, kept as requests leave.
+        let mut waiting: HashMap<(i32, Arc<str>), usize> = q
+            .depths()
+            .into_iter()
+            .map(|(band, tenant, n)| ((band, tenant), n))
+            .collect();
         admission::look(&mut q, |e| {
             let i = e.item;
             match self.route(i, now) {
                 Ok(k) => {
+                    self.contested[i] = waiting
+                        .iter()
+                        .any(|((b, t), &n)| *b == e.priority && *t != e.tenant && n > 0);
+                    if let Some(n) = waiting.get_mut(&(e.priority, e.tenant.clone())) {
+                        *n = n.saturating_sub(1);
+                    }
                     self.from_queue[i] = true;
                     self.dispatch(i, k, now);
                     Step::Leave(())
@@ -731,6 +748,7 @@ pub fn simulate_labelled(reqs: &[Request], o: &SimOpts, p: Policy, workload: &st
         done: vec![0.0; n],
         shed: vec![false; n],
         from_queue: vec![false; n],
+        contested: vec![false; n],
         queue_peak_bytes: 0,
     };
     s.run();
@@ -829,6 +847,9 @@ fn class_figures(s: &Sim<'_>, a: &SimAdmission) -> Vec<ClassFigures> {
         }
         if s.from_queue[i] {
             c.dispatched_saturated += 1;
+        }
+        if s.contested[i] {
+            c.dispatched_contested += 1;
         }
     }
     by.into_values()
