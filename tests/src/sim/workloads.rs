@@ -59,26 +59,13 @@ pub fn generated(name: &str, block_tokens: u32, rate_rps: f64, seed: u64) -> Opt
         // Multi-round QA: 64 users x 6 rounds, a shared 1000-token system prompt, each
         // round adds a 100-token question and a 200-token answer to the history.
         "multiround-qa" => {
-            let system = fresh(1000);
-            let mut hist: Vec<Vec<u64>> = (0..64).map(|_| system.clone()).collect();
-            for _round in 0..6 {
-                let mut round = Vec::new();
-                for (u, h) in hist.iter_mut().enumerate() {
-                    h.extend(fresh(100));
-                    let toks = h.len() as u32 * block_tokens;
-                    round.push(Request {
-                        ts_ms: 0.0,
-                        input_tokens: toks,
-                        output_tokens: 200,
-                        chain: h.clone(),
-                        session: Some(u as u64 + 1),
-                    });
-                    h.extend(fresh(200));
-                }
-                // Users take their turns in a different order each round.
-                shuffle(&mut round, &mut rng);
-                reqs.extend(round);
-            }
+            let c = Conversations {
+                system: 1000,
+                rounds: 6,
+                question: (100, 100),
+                answer: (200, 200),
+            };
+            reqs = c.generate(&mut fresh, &mut rng, block_tokens);
         }
         // Multi-turn chat, the shape of ShareGPT-style conversations: 64 users x 8
         // turns behind a short shared 200-token system prompt; each turn adds a
@@ -86,25 +73,13 @@ pub fn generated(name: &str, block_tokens: u32, rate_rps: f64, seed: u64) -> Opt
         // most of a later turn's prompt is its own conversation, held wherever that
         // conversation ran before; the shared part every pod can hold is small.
         "multiturn-chat" => {
-            let system = fresh(200);
-            let mut hist: Vec<Vec<u64>> = (0..64).map(|_| system.clone()).collect();
-            for _turn in 0..8 {
-                let mut round = Vec::new();
-                for (u, h) in hist.iter_mut().enumerate() {
-                    h.extend(fresh(100 + 16 * rng.below(26) as u32));
-                    let answer = 200 + 16 * rng.below(26) as u32;
-                    round.push(Request {
-                        ts_ms: 0.0,
-                        input_tokens: h.len() as u32 * block_tokens,
-                        output_tokens: answer,
-                        chain: h.clone(),
-                        session: Some(u as u64 + 1),
-                    });
-                    h.extend(fresh(answer));
-                }
-                shuffle(&mut round, &mut rng);
-                reqs.extend(round);
-            }
+            let c = Conversations {
+                system: 200,
+                rounds: 8,
+                question: (100, 500),
+                answer: (200, 600),
+            };
+            reqs = c.generate(&mut fresh, &mut rng, block_tokens);
         }
         _ => return None,
     }
@@ -115,6 +90,55 @@ pub fn generated(name: &str, block_tokens: u32, rate_rps: f64, seed: u64) -> Opt
         r.ts_ms = t;
     }
     Some(reqs)
+}
+
+/// 64 users holding conversations behind one shared system prompt, a round at a time:
+/// each round adds a question and then an answer to every user's history (lengths in
+/// tokens, drawn in 16-token steps when a range is given).
+struct Conversations {
+    system: u32,
+    rounds: usize,
+    question: (u32, u32),
+    answer: (u32, u32),
+}
+
+impl Conversations {
+    fn generate(
+        &self,
+        fresh: &mut impl FnMut(u32) -> Vec<u64>,
+        rng: &mut Rng,
+        block_tokens: u32,
+    ) -> Vec<Request> {
+        let draw = |rng: &mut Rng, (lo, hi): (u32, u32)| {
+            if hi > lo {
+                lo + 16 * rng.below(((hi - lo) / 16 + 1) as usize) as u32
+            } else {
+                lo
+            }
+        };
+        let system = fresh(self.system);
+        let mut hist: Vec<Vec<u64>> = (0..64).map(|_| system.clone()).collect();
+        let mut reqs = Vec::new();
+        for _ in 0..self.rounds {
+            let mut round = Vec::new();
+            for (u, h) in hist.iter_mut().enumerate() {
+                h.extend(fresh(draw(rng, self.question)));
+                let answer = draw(rng, self.answer);
+                round.push(Request {
+                    ts_ms: 0.0,
+                    input_tokens: h.len() as u32 * block_tokens,
+                    output_tokens: answer,
+                    chain: h.clone(),
+                    session: Some(u as u64 + 1),
+                });
+                h.extend(fresh(answer));
+            }
+            // Users take their turns in a different order each round.
+            shuffle(&mut round, rng);
+            reqs.extend(round);
+        }
+        reqs
+    }
 }
 
 fn shuffle<T>(v: &mut [T], rng: &mut Rng) {
