@@ -82,6 +82,20 @@ async fn conversations(url: &str, seed: u32, n: usize, turns: usize) -> (f64, us
     (cached as f64 / total.max(1) as f64, moved, served)
 }
 
+/// Envoy with the wasm filter in front of `engines`, calling `sc` over its socket.
+fn filter_layout(sc: &SidecarProc, engines: Vec<std::net::SocketAddr>) -> EnvoyLayout {
+    EnvoyLayout {
+        listen_port: 0,
+        sidecar: SidecarAddr::Uds(sc.uds.clone().expect("uds")),
+        engines,
+        wasm_path: kvroute_tests::wasm_path(),
+        filter_config: json!({"timeout_ms": 2000, "default_model": {"block_size": 16}}),
+        with_filter: true,
+        fallback: Fallback::RoundRobin,
+        access_log: false,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conversations_stay_on_their_rank_through_both_front_doors() {
     let sc = tokio::task::spawn_blocking(|| {
@@ -107,16 +121,7 @@ async fn conversations_stay_on_their_rank_through_both_front_doors() {
         .expect("join")
         .expect("engine");
     let picker = sc.picker_addr().expect("picker");
-    let wasm_layout = EnvoyLayout {
-        listen_port: 0,
-        sidecar: SidecarAddr::Uds(sc.uds.clone().expect("uds")),
-        engines: vec![engine.addr],
-        wasm_path: kvroute_tests::wasm_path(),
-        filter_config: json!({"timeout_ms": 2000, "default_model": {"block_size": 16}}),
-        with_filter: true,
-        fallback: Fallback::RoundRobin,
-        access_log: false,
-    };
+    let wasm_layout = filter_layout(&sc, vec![engine.addr]);
     let picker_layout = PickerLayout {
         listen_port: 0,
         pickers: vec![picker],
@@ -197,16 +202,7 @@ async fn conversations_stay_on_their_rank_through_both_front_doors() {
                 .expect("engine"),
         );
     }
-    let layout = EnvoyLayout {
-        listen_port: 0,
-        sidecar: SidecarAddr::Uds(sc.uds.clone().expect("uds")),
-        engines: engines.iter().map(|e| e.addr).collect(),
-        wasm_path: kvroute_tests::wasm_path(),
-        filter_config: json!({"timeout_ms": 2000, "default_model": {"block_size": 16}}),
-        with_filter: true,
-        fallback: Fallback::RoundRobin,
-        access_log: false,
-    };
+    let layout = filter_layout(&sc, engines.iter().map(|e| e.addr).collect());
     let pods = tokio::task::spawn_blocking(move || Envoy::start(&layout))
         .await
         .expect("join")
