@@ -94,7 +94,8 @@ peers: deps wasm js tokenizer-deps peers-deps
 	target/release/kvroute-bench peers $(PEERS_ARGS)
 
 # NVIDIA Dynamo's KV router, offline: its own trace replay (PyPI ai-dynamo, mocker engines)
-# beside the simulator's imitation of its policy, same trace, workers and capacity. The
+# beside the simulator's imitation of its policy, same trace, workers and capacity, and
+# engines as fast as the mocker's (its round-robin TTFT and latency matched). The
 # full install pulls a package that downloads from outside the registries, so it goes in
 # without dependencies plus the few it imports.
 DYNAMO_VERSION := 1.6.1
@@ -107,7 +108,7 @@ peers-dynamo:
 	$(CARGO) build --release -p kvroute-tests --bin kvroute-bench
 	$(DYNAMO_VENV)/bin/python tests/peers/dynamo_replay.py tests/data/mooncake_synthetic_trace.jsonl 8 1024 kv_router
 	$(DYNAMO_VENV)/bin/python tests/peers/dynamo_replay.py tests/data/mooncake_synthetic_trace.jsonl 8 1024 round_robin
-	target/release/kvroute-bench sim --trace tests/data/mooncake_synthetic_trace.jsonl --pods 8 --capacity-blocks 1024 --policies kvroute,dynamo,round-robin
+	target/release/kvroute-bench sim --trace tests/data/mooncake_synthetic_trace.jsonl --pods 8 --capacity-blocks 1024 --policies kvroute,dynamo,sglang,round-robin --engine-prefill-tps 45000 --engine-decode-ms 6
 
 build: wasm js
 	$(CARGO) build --release --workspace

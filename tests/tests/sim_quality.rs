@@ -171,6 +171,35 @@ fn default_policy_beats_round_robin_on_the_mooncake_trace() {
     check("mooncake", &reqs, &opts(512, 1024));
 }
 
+/// The imitation of Dynamo's KV router, with engines as fast as Dynamo's mocker (their
+/// round-robin TTFT and latency matched: docs/benchmarks.md), reuses what Dynamo's own
+/// replay of the trace reuses, 0.334-0.352 over four runs of `ai-dynamo` 1.6.1 (8
+/// workers x 1,024 blocks): within 2 points of that range, or the comparisons that use
+/// it flatter or wrong kvroute. kvroute stays ahead of it there.
+#[test]
+fn the_dynamo_imitation_reuses_what_dynamos_own_replay_does() {
+    let path = kvroute_tests::workload::default_trace();
+    let reqs = kvroute_tests::workload::load_mooncake(&path)
+        .expect("tests/data/mooncake_synthetic_trace.jsonl");
+    let mut o = opts(512, 1024);
+    o.cost.prefill_tps = 45_000.0;
+    o.cost.decode_ms = 6.0;
+    o.config.prefill_tokens_per_s = 45_000.0;
+    let r = sim::compare(
+        "mooncake, mocker speed",
+        &reqs,
+        &o,
+        &[Policy::Dynamo, Policy::Kvroute],
+    );
+    let (dynamo, kv) = (&r[0], &r[1]);
+    assert!(
+        (0.334 - 0.02..=0.352 + 0.02).contains(&dynamo.hit_rate),
+        "imitation {dynamo:?}"
+    );
+    assert!(kv.hit_rate > dynamo.hit_rate, "kvroute {kv:?}");
+    assert!(kv.ttft_mean_ms < dynamo.ttft_mean_ms, "kvroute {kv:?}");
+}
+
 #[test]
 fn the_simulation_is_deterministic() {
     let reqs = sim::generated("multiround-qa", 16, 10.0, 5).expect("workload");

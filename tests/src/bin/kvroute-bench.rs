@@ -119,6 +119,15 @@ enum Cmd {
         /// Policy config JSON (default: the sidecar's defaults).
         #[arg(long)]
         config: Option<PathBuf>,
+        /// The simulated engines' prefill speed, tokens/s (default 10,000); the routers'
+        /// `prefill_tokens_per_s` is set to it too, as an operator sets it to the engines'
+        /// rate. Faster engines are less loaded, and load is what pulls a request off its
+        /// cache: compare routers only at the same engine speed.
+        #[arg(long)]
+        engine_prefill_tps: Option<f64>,
+        /// The simulated engines' decode step, ms (default 10).
+        #[arg(long)]
+        engine_decode_ms: Option<f64>,
         /// Route text chains (predicted mode) whose blocks the pods tokenize at these
         /// bytes per token, by conversation (e.g. 4.6,3.1,2.2,1.5: prose, code, numbers,
         /// CJK); each chain block is 256 canonical bytes.
@@ -270,6 +279,8 @@ fn main() -> anyhow::Result<()> {
             dp_ranks,
             delta_delay_ms,
             config,
+            engine_prefill_tps,
+            engine_decode_ms,
             text_bytes_per_token,
             priorities,
             tenants,
@@ -285,11 +296,20 @@ fn main() -> anyhow::Result<()> {
                     .collect::<anyhow::Result<_>>()?,
                 None => Policy::ALL.to_vec(),
             };
-            let config = match config {
+            let mut config: kvroute_shared::protocol::PolicyConfig = match config {
                 Some(p) => serde_json::from_slice(&std::fs::read(p)?)?,
                 None => kvroute_shared::protocol::PolicyConfig::default(),
             };
-            let cost = kvroute_tests::sim::default_cost();
+            let mut cost = kvroute_tests::sim::default_cost();
+            if let Some(tps) = engine_prefill_tps {
+                anyhow::ensure!(tps.is_finite() && tps >= 1.0, "--engine-prefill-tps {tps}");
+                cost.prefill_tps = tps;
+                config.prefill_tokens_per_s = tps;
+            }
+            if let Some(ms) = engine_decode_ms {
+                anyhow::ensure!(ms.is_finite() && ms > 0.0, "--engine-decode-ms {ms}");
+                cost.decode_ms = ms;
+            }
             let mut runs: Vec<(String, Vec<kvroute_tests::workload::Request>, u32)> = Vec::new();
             if let Some(p) = agentic {
                 let path = if p.as_os_str() == "shipped" {
