@@ -109,6 +109,10 @@ peers-dynamo:
 	$(DYNAMO_VENV)/bin/python tests/peers/dynamo_replay.py tests/data/mooncake_synthetic_trace.jsonl 8 1024 kv_router
 	$(DYNAMO_VENV)/bin/python tests/peers/dynamo_replay.py tests/data/mooncake_synthetic_trace.jsonl 8 1024 round_robin
 	target/release/kvroute-bench sim --trace tests/data/mooncake_synthetic_trace.jsonl --pods 8 --capacity-blocks 1024 --policies kvroute,dynamo,sglang,round-robin --engine-prefill-tps 45000 --engine-decode-ms 6
+	target/release/kvroute-bench sim --agentic --export-mooncake target/peers/agentic.jsonl
+	$(DYNAMO_VENV)/bin/python tests/peers/dynamo_replay.py target/peers/agentic.jsonl 8 4096 kv_router
+	$(DYNAMO_VENV)/bin/python tests/peers/dynamo_replay.py target/peers/agentic.jsonl 8 4096 round_robin
+	target/release/kvroute-bench sim --trace target/peers/agentic.jsonl --pods 8 --capacity-blocks 4096 --policies kvroute,dynamo,sglang,round-robin --engine-prefill-tps 45000 --engine-decode-ms 6
 
 build: wasm js
 	$(CARGO) build --release --workspace

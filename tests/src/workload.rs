@@ -63,6 +63,47 @@ pub fn load_mooncake(path: &Path) -> anyhow::Result<Vec<Request>> {
     Ok(out)
 }
 
+/// Write `reqs` as a Mooncake trace (one JSON line each, in arrival order), so another
+/// router's replay can run exactly what the simulator runs. Blocks are renumbered in
+/// order of first appearance: a block's id names it and its whole prefix, as it does in
+/// Mooncake's own traces.
+pub fn write_mooncake(reqs: &[Request], path: &Path) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut order: Vec<&Request> = reqs.iter().collect();
+    order.sort_by(|a, b| a.ts_ms.total_cmp(&b.ts_ms));
+    let mut ids: std::collections::HashMap<u64, u64> = std::collections::HashMap::new();
+    let mut tail = 0u64;
+    let mut out = std::io::BufWriter::new(
+        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?,
+    );
+    for r in order {
+        let mut hash_ids: Vec<u64> = r
+            .chain
+            .iter()
+            .map(|h| {
+                let next = ids.len() as u64;
+                *ids.entry(*h).or_insert(next)
+            })
+            .collect();
+        // A Mooncake line names every block its input touches, the partial last one
+        // too (a chain holds full blocks only): that one is the request's own.
+        let covered = hash_ids.len() as u64 * u64::from(MOONCAKE_BLOCK_TOKENS);
+        if u64::from(r.input_tokens) > covered {
+            hash_ids.push(u64::MAX - tail);
+            tail += 1;
+        }
+        let line = serde_json::json!({
+            "timestamp": r.ts_ms.round().max(0.0) as u64,
+            "input_length": r.input_tokens,
+            "output_length": r.output_tokens,
+            "hash_ids": hash_ids,
+        });
+        writeln!(out, "{line}")?;
+    }
+    out.flush()?;
+    Ok(())
+}
+
 /// The Mooncake trace shipped in the repository (tests/data, with its attribution).
 pub fn default_trace() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/mooncake_synthetic_trace.jsonl")

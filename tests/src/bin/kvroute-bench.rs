@@ -128,6 +128,10 @@ enum Cmd {
         /// The simulated engines' decode step, ms (default 10).
         #[arg(long)]
         engine_decode_ms: Option<f64>,
+        /// Write the requests (after --trace-seconds and --speedup) as a Mooncake trace
+        /// to this file and exit, for another router's replay of the same load.
+        #[arg(long)]
+        export_mooncake: Option<PathBuf>,
         /// Route text chains (predicted mode) whose blocks the pods tokenize at these
         /// bytes per token, by conversation (e.g. 4.6,3.1,2.2,1.5: prose, code, numbers,
         /// CJK); each chain block is 256 canonical bytes.
@@ -281,6 +285,7 @@ fn main() -> anyhow::Result<()> {
             config,
             engine_prefill_tps,
             engine_decode_ms,
+            export_mooncake,
             text_bytes_per_token,
             priorities,
             tenants,
@@ -361,6 +366,23 @@ fn main() -> anyhow::Result<()> {
                     }
                 }
                 (None, None) => anyhow::bail!("give --trace FILE or --workload NAME"),
+            }
+            if let Some(out) = export_mooncake {
+                let [(label, reqs, bt)] = runs.as_slice() else {
+                    anyhow::bail!("--export-mooncake writes one workload at a time");
+                };
+                anyhow::ensure!(
+                    *bt == kvroute_tests::workload::MOONCAKE_BLOCK_TOKENS,
+                    "Mooncake traces are in {}-token blocks, {label} in {bt}",
+                    kvroute_tests::workload::MOONCAKE_BLOCK_TOKENS
+                );
+                kvroute_tests::workload::write_mooncake(reqs, &out)?;
+                println!(
+                    "{label}: {} requests written to {}",
+                    reqs.len(),
+                    out.display()
+                );
+                return Ok(());
             }
             let mut last = Vec::new();
             for (label, reqs, bt) in &runs {
