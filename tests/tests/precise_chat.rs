@@ -5,6 +5,8 @@
 //! bridge each. Every later turn must land on the pod holding its history **from the
 //! engines' events** (token-mode decisions with matched blocks; the engine reports the
 //! cached tokens), and an engine restart must drop its blocks from the index at once.
+//! With a sidecar template that renders differently from the engines', the agreement
+//! check must name that template as the one that disagrees.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -162,4 +164,72 @@ async fn chats_follow_the_engines_events() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(gone, "the restarted engine's blocks left the index");
+}
+
+/// The same chats with the sidecar rendering a template that differs from the engines'
+/// by one space after each user marker (an operator's edited copy, say): every prompt
+/// past the system message chains differently from the engines' blocks, which is silent
+/// in routing. The agreement check must show it, naming the template the sidecar used
+/// (the override file and its sha256) in the API and the metric: the engines report the
+/// histories cached where the sidecar expected only the system prompt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_that_differs_from_the_engines_shows_in_the_agreement() {
+    let dir = kvroute_tests::fixture_model_dir("deepseek-tools").expect("model dir");
+    let config: Value = serde_json::from_slice(
+        &std::fs::read(dir.join("tokenizer_config.json")).expect("tokenizer_config.json"),
+    )
+    .expect("json");
+    let template = config["chat_template"].as_str().expect("template");
+    let edited = template.replace("'<｜User｜>' +", "'<｜User｜> ' +");
+    assert_ne!(
+        edited, template,
+        "the user marker is where the template says"
+    );
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let file = tmp.path().join("edited.jinja");
+    std::fs::write(&file, &edited).expect("write");
+    let stack = Stack::start(StackOpts {
+        engine_args: kvroute_tests::stack::engine_args(4096, 8000, 10, 0.2),
+        vllm_events: true,
+        model_dir: Some(dir.clone()),
+        sidecar_args: vec![format!("--chat-template=m={}", file.display())],
+        ..StackOpts::default()
+    })
+    .await
+    .expect("stack");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("e2e/openai_chats.py");
+    let url = stack.envoy.url("");
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("python3")
+            .arg(script)
+            .args([url.as_str(), "4", "4"])
+            .output()
+    })
+    .await
+    .expect("join")
+    .expect("python3");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let st = stack.api.get("/v1/status").await.json;
+    let a = st["agreement"]
+        .as_array()
+        .and_then(|v| v.iter().find(|m| m["model"] == "m"))
+        .cloned()
+        .unwrap_or_default();
+    let named = a["template"].as_str().unwrap_or_default().to_owned();
+    assert!(
+        named.contains("edited.jinja sha256:"),
+        "the override is named: {a}"
+    );
+    // Turn 0 of each chat agrees (nothing cached, nothing expected); most later turns
+    // find their histories cached beyond what the sidecar's chains matched (8 of 12).
+    assert!(a["under"].as_u64().unwrap_or(0) >= 6, "{a}");
+    assert!(a["recent_ratio"].as_f64().unwrap_or(1.0) < 0.8, "{a}");
+    let series = format!(
+        "kvroute_cache_agreement_total{{model=\"m\",template=\"{named}\",outcome=\"under\"}}"
+    );
+    assert!(stack.api.metric(&series).await >= 6.0, "{series}");
 }
