@@ -16,17 +16,24 @@ use kvroute_shared::protocol::PromptBody;
 use kvroute_tests::stack::{Stack, StackOpts};
 use serde_json::{json, Value};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn chats_follow_the_engines_events() {
+/// The stack of these tests: engines tokenizing with the DeepSeek fixture directory, the
+/// sidecar with it too (plus `sidecar_args`).
+async fn stack(sidecar_args: Vec<String>) -> Stack {
     let dir = kvroute_tests::fixture_model_dir("deepseek-tools").expect("model dir");
-    let stack = Stack::start(StackOpts {
+    Stack::start(StackOpts {
         engine_args: kvroute_tests::stack::engine_args(4096, 8000, 10, 0.2),
         vllm_events: true,
-        model_dir: Some(dir.clone()),
+        model_dir: Some(dir),
+        sidecar_args,
         ..StackOpts::default()
     })
     .await
-    .expect("stack");
+    .expect("stack")
+}
+
+/// 4 conversations x 4 turns through the gateway with the real OpenAI client: a JSON
+/// object per turn (`e2e/openai_chats.py`).
+async fn chats(stack: &Stack) -> Vec<Value> {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("e2e/openai_chats.py");
     let url = stack.envoy.url("");
     let out = tokio::task::spawn_blocking(move || {
@@ -48,6 +55,13 @@ async fn chats_follow_the_engines_events() {
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect();
     assert_eq!(turns.len(), 16, "{turns:?}");
+    turns
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chats_follow_the_engines_events() {
+    let stack = stack(vec![]).await;
+    let turns = chats(&stack).await;
     for t in &turns {
         if t["turn"] == 0 {
             continue;
@@ -188,31 +202,8 @@ async fn a_template_that_differs_from_the_engines_shows_in_the_agreement() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let file = tmp.path().join("edited.jinja");
     std::fs::write(&file, &edited).expect("write");
-    let stack = Stack::start(StackOpts {
-        engine_args: kvroute_tests::stack::engine_args(4096, 8000, 10, 0.2),
-        vllm_events: true,
-        model_dir: Some(dir.clone()),
-        sidecar_args: vec![format!("--chat-template=m={}", file.display())],
-        ..StackOpts::default()
-    })
-    .await
-    .expect("stack");
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("e2e/openai_chats.py");
-    let url = stack.envoy.url("");
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new("python3")
-            .arg(script)
-            .args([url.as_str(), "4", "4"])
-            .output()
-    })
-    .await
-    .expect("join")
-    .expect("python3");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stack = stack(vec![format!("--chat-template=m={}", file.display())]).await;
+    chats(&stack).await;
     let st = stack.api.get("/v1/status").await.json;
     let a = st["agreement"]
         .as_array()
