@@ -103,6 +103,11 @@ pub struct PolicyConfig {
     /// evicts another prompt's blocks, so copying a prefix that lives elsewhere (to
     /// save a short wait) costs the hits of whoever was using that space; 0 = off.
     pub eviction_weight: f64,
+    /// The extra weight of a block this pod would prefill that another candidate is
+    /// prefilling right now for a request routed moments ago (a prefix done twice):
+    /// waiting there costs about what recomputing does, and the copy costs the fleet a
+    /// prefill and cache space (0 = off).
+    pub recompute_weight: f64,
     /// For a request whose prompt has a home (some pod holds more of it than every pod
     /// is credited), the queued-prefill weight falls as the fleet's caches evict:
     /// `load_weight / (1 + eviction_load_cut × pressure)`, the pressure being the
@@ -361,6 +366,7 @@ impl Default for PolicyConfig {
             saturation_backlog_s: 2.0,
             saturation_weight: 8.0,
             eviction_weight: 0.0,
+            recompute_weight: 1.0,
             eviction_load_cut: 50.0,
             near_tie_cost: 3.0,
             temperature: 0.0,
@@ -402,6 +408,7 @@ impl PolicyConfig {
         finite_nonneg("saturation_backlog_s", self.saturation_backlog_s);
         finite_nonneg("saturation_weight", self.saturation_weight);
         finite_nonneg("eviction_weight", self.eviction_weight);
+        finite_nonneg("recompute_weight", self.recompute_weight);
         finite_nonneg("eviction_load_cut", self.eviction_load_cut);
         finite_nonneg("temperature", self.temperature);
         for (tier, c) in &self.tier_cost {

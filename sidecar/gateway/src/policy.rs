@@ -103,6 +103,10 @@ pub struct Candidate {
     pub matched: u32,
     /// Predicted cached prefix, in blocks.
     pub predicted: u32,
+    /// How many of `predicted`'s blocks (its deepest ones) the pod is prefilling right
+    /// now, for a decision still in flight: not a guess about what the cache kept but
+    /// work under way, so they count as hits in full.
+    pub predicted_inflight: u32,
     /// Where the confirmed hits live, when known.
     pub tiers: Option<TierHint>,
     pub stale: bool,
@@ -153,7 +157,9 @@ pub struct Score {
 pub fn hits(cfg: &PolicyConfig, c: &Candidate) -> f64 {
     let confirmed = c.matched as f64;
     let mut h = if c.predicted > c.matched {
-        confirmed + (c.predicted - c.matched) as f64 * cfg.predicted_weight
+        let inflight = c.predicted_inflight.min(c.predicted - c.matched);
+        let guessed = c.predicted - c.matched - inflight;
+        confirmed + inflight as f64 + guessed as f64 * cfg.predicted_weight
     } else {
         confirmed
     };
@@ -169,19 +175,32 @@ pub fn hits(cfg: &PolicyConfig, c: &Candidate) -> f64 {
     h.max(0.0).max(c.bound)
 }
 
-/// `shared`: hits credited to every candidate; `cold`: no candidate holds more, so this
-/// places a new home and the pods' recent work counts; `saturation`: how much more an
-/// uncached block weighs because the whole fleet is behind (0 unless saturated, see
-/// [`saturation`]); `load_weight`: the weight of queued prefill ([`load_weight`]).
-pub fn cost(
-    cfg: &PolicyConfig,
-    ask: &Ask,
-    c: &Candidate,
-    shared: f64,
-    cold: bool,
-    saturation: f64,
-    load_weight: f64,
-) -> Score {
+/// What every candidate's cost shares: read once from all of them by [`pick`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Fleet {
+    /// Hits credited to every candidate ([`shared_hits`]).
+    pub shared: f64,
+    /// No candidate holds more than `shared`: this places a new home and the pods'
+    /// recent work counts.
+    pub cold: bool,
+    /// How much more an uncached block weighs because the whole fleet is behind (0
+    /// unless saturated, see [`saturation`]).
+    pub saturation: f64,
+    /// The weight of queued prefill ([`load_weight`]).
+    pub load_weight: f64,
+    /// The most hits any candidate has on a prefix it is prefilling right now: what a
+    /// pod with fewer would compute a second time.
+    pub held: f64,
+}
+
+pub fn cost(cfg: &PolicyConfig, ask: &Ask, c: &Candidate, fleet: &Fleet) -> Score {
+    let Fleet {
+        shared,
+        cold,
+        saturation,
+        load_weight,
+        held,
+    } = *fleet;
     let hits = if ask.load_only {
         0.0
     } else {
@@ -203,7 +222,14 @@ pub fn cost(
     // smaller than its working set: 0.71 hit rate when every prompt kept one pod,
     // 0.36-0.56 when the first turns of a run split them).
     let evicting = cfg.eviction_weight * c.pressure.clamp(0.0, 1.0);
-    let cost = prefill_w * uncached * (1.0 + saturation + evicting)
+    // A prefix another pod is prefilling right now, recomputed here, is work the fleet
+    // does twice and a copy that crowds both caches, while waiting for it costs this
+    // request about what recomputing it does: a shared system prompt's second user
+    // would otherwise skip the first one's prefill by a block or two of cost, and every
+    // such prompt end up on two pods. (A prefix already settled in a cache is the
+    // cost's usual trade against load, see `shared_hits`.)
+    let recompute = cfg.recompute_weight * (held - hits).max(0.0);
+    let cost = prefill_w * (uncached * (1.0 + saturation + evicting) + recompute)
         + load_weight * queued_prefill
         + cfg.decode_weight * decode
         + cfg.queue_weight * c.load.queued as f64
@@ -382,13 +408,27 @@ pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Rankin
     // batch fills at a few requests per pod with long outputs, well within the slack).
     let full_batch = cfg.full_batch_guard && cands.iter().any(|c| c.load.queued == 0);
     let saturated = saturation(cfg, ask, cands);
-    let load_w = load_weight(cfg, cands, cold);
+    let fleet = Fleet {
+        shared,
+        cold,
+        saturation: saturated,
+        load_weight: load_weight(cfg, cands, cold),
+        held: if ask.load_only {
+            0.0
+        } else {
+            cands
+                .iter()
+                .filter(|c| c.predicted_inflight > 0)
+                .map(|c| hits(cfg, c))
+                .fold(0.0, f64::max)
+        },
+    };
     let mut order: Vec<Rank> = cands
         .iter()
         .enumerate()
         .map(|(i, c)| Rank {
             candidate: i,
-            score: cost(cfg, ask, c, shared, cold, saturated, load_w),
+            score: cost(cfg, ask, c, &fleet),
             // Saturated, the guards would send prompts off their caches to pods that are
             // behind as well: the cost alone decides.
             within_balance: saturated > 0.0
@@ -511,6 +551,7 @@ mod tests {
             key: id as u64 * 7919,
             matched,
             predicted: 0,
+            predicted_inflight: 0,
             tiers: None,
             stale: false,
             bound: 0.0,
@@ -807,10 +848,10 @@ mod tests {
                     ..ask(64)
                 },
                 &c,
-                0.0,
-                false,
-                0.0,
-                cfg.load_weight
+                &Fleet {
+                    load_weight: cfg.load_weight,
+                    ..Fleet::default()
+                }
             )
             .cost,
             0.0
@@ -973,5 +1014,36 @@ mod tests {
             "a new prompt goes where there is no queue"
         );
         assert_eq!(load_weight(&on, &[], false), on.load_weight);
+    }
+
+    /// A shared system prompt's second user, routed while the first one's prefill (22
+    /// blocks: the prompt and its question) is still running on pod 0: waiting costs it
+    /// a few blocks more than prefilling its 19 blocks on idle pod 1, but that would be
+    /// the prompt prefilled twice. Only work under way counts so: a settled guess is the
+    /// usual trade of cache against load.
+    #[test]
+    fn a_prefix_being_prefilled_is_not_prefilled_twice() {
+        let cfg = PolicyConfig::default();
+        let first = |inflight: u32| Candidate {
+            predicted: 17,
+            predicted_inflight: inflight,
+            ..cand(0, 0, 1, 22 * 16)
+        };
+        let c = [first(17), cand(1, 0, 0, 0)];
+        let r = pick(&cfg, &ask(19), &c).expect("pick");
+        assert_eq!(r.chosen(), 0, "2 + 22 against 19 + 17 recomputed");
+        assert_eq!(r.order[0].score.hits, 17.0, "work under way counts in full");
+        let off = PolicyConfig {
+            recompute_weight: 0.0,
+            ..cfg.clone()
+        };
+        let r = pick(&off, &ask(19), &c).expect("pick");
+        assert_eq!(r.chosen(), 1, "TTFT alone: 2 + 22 > 19");
+        // The same blocks settled (their request is done): 17 × 0.7 guessed hits and the
+        // queue is someone else's; the idle pod wins as before.
+        let c = [first(0), cand(1, 0, 0, 0)];
+        let r = pick(&cfg, &ask(19), &c).expect("pick");
+        assert_eq!(r.chosen(), 1);
+        assert!((r.order[1].score.hits - 17.0 * cfg.predicted_weight).abs() < 1e-9);
     }
 }

@@ -380,8 +380,10 @@ pub async fn run(o: &Opts) -> anyhow::Result<Value> {
     eprintln!("== the routers' added latency: 4 KB prompts, cached everywhere, one at a time");
     let ov = overhead(&gws, &engines, o.overhead_requests).await?;
 
-    eprintln!("== filling the engines' caches");
-    crate::steady::fill_caches(&engines, o.capacity_blocks, 16, 1.5).await?;
+    if !o.workloads.is_empty() {
+        eprintln!("== filling the engines' caches");
+        crate::steady::fill_caches(&engines, o.capacity_blocks, 16, 1.5).await?;
+    }
     let mut out = json!({"engines": n_engines, "capacity_blocks": o.capacity_blocks,
         "rounds": o.rounds, "policy": o.policy, "versions": {"smg": crate::peers::SMG_VERSION,
         "vllm-router": crate::peers::VLLM_ROUTER_VERSION}, "workloads": {}});

@@ -148,7 +148,7 @@ enum Cmd {
     /// kvroute beside the real routers (smg, vllm-router; `make peers-deps`) on the same
     /// engines and workloads, in one run.
     Peers {
-        /// Comma-separated: chat, mooncake, agentic.
+        /// Comma-separated: chat, mooncake, agentic; `none` measures only the added latency.
         #[arg(long, value_delimiter = ',', default_value = "chat,mooncake,agentic")]
         workloads: Vec<String>,
         /// Comma-separated gateway labels (default: all), e.g. "kvroute precise,smg cache_aware".
@@ -238,7 +238,8 @@ fn main() -> anyhow::Result<()> {
             overhead_requests,
             policy,
         } => runtime()?.block_on(bench::peers::run(&bench::peers::Opts {
-            workloads,
+            // `none`: only the added-latency measurement.
+            workloads: workloads.into_iter().filter(|w| w != "none").collect(),
             gateways,
             rounds,
             capacity_blocks,

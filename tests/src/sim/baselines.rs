@@ -431,6 +431,7 @@ mod tests {
                 // What the engines hold plays no part: smg never hears of it.
                 matched: 0,
                 predicted: 0,
+                predicted_inflight: 0,
                 tiers: None,
                 stale: false,
                 load: LoadView {

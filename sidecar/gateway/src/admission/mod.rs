@@ -139,6 +139,7 @@ mod tests {
             key: index as u64,
             matched,
             predicted: 0,
+            predicted_inflight: 0,
             tiers: None,
             stale: false,
             load: LoadView {

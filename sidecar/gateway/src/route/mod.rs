@@ -503,11 +503,21 @@ impl<'a> Route<'a> {
             .enumerate()
             .filter_map(|(i, (id, (load, pressure)))| {
                 let p = pods.get(&id)?;
+                let predicted = depth(&facts.predicted, &id);
+                // The guesses past the settled ones belong to decisions still in flight
+                // on that pod (a shared prompt's first user still prefilling it).
+                let predicted_inflight = if predicted > 0 {
+                    let d = predicted as usize;
+                    (d - self.sc.predicted.settled_depth(&id, &self.req.chain, d)) as u32
+                } else {
+                    0
+                };
                 let candidate = Candidate {
                     index: i,
                     key: p.key,
                     matched: depth(&facts.confirmed, &id),
-                    predicted: depth(&facts.predicted, &id),
+                    predicted,
+                    predicted_inflight,
                     tiers: None,
                     stale: p.stale,
                     load: p.load_view(load, now),
