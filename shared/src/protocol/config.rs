@@ -366,7 +366,7 @@ impl Default for PolicyConfig {
             saturation_backlog_s: 2.0,
             saturation_weight: 8.0,
             eviction_weight: 0.0,
-            recompute_weight: 1.0,
+            recompute_weight: 0.5,
             eviction_load_cut: 50.0,
             near_tie_cost: 3.0,
             temperature: 0.0,

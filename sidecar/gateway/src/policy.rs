@@ -103,10 +103,12 @@ pub struct Candidate {
     pub matched: u32,
     /// Predicted cached prefix, in blocks.
     pub predicted: u32,
-    /// How many of `predicted`'s blocks (its deepest ones) the pod is prefilling right
-    /// now, for a decision still in flight: not a guess about what the cache kept but
-    /// work under way, so they count as hits in full.
-    pub predicted_inflight: u32,
+    /// The prefix a request in flight on the pod holds, in blocks (the ledger's): its
+    /// engine is computing or using those blocks, so they count as hits in full, not as
+    /// a guess about what the cache kept.
+    pub in_flight: u32,
+    /// Of `in_flight`, the prefix of one whose prefill is still under way.
+    pub prefilling: u32,
     /// Where the confirmed hits live, when known.
     pub tiers: Option<TierHint>,
     pub stale: bool,
@@ -155,14 +157,9 @@ pub struct Score {
 
 /// Hits worth counting for a candidate.
 pub fn hits(cfg: &PolicyConfig, c: &Candidate) -> f64 {
-    let confirmed = c.matched as f64;
-    let mut h = if c.predicted > c.matched {
-        let inflight = c.predicted_inflight.min(c.predicted - c.matched);
-        let guessed = c.predicted - c.matched - inflight;
-        confirmed + inflight as f64 + guessed as f64 * cfg.predicted_weight
-    } else {
-        confirmed
-    };
+    let confirmed = c.matched.max(c.in_flight);
+    let mut h =
+        confirmed as f64 + c.predicted.saturating_sub(confirmed) as f64 * cfg.predicted_weight;
     if let Some(t) = c.tiers {
         let tc = |tier: Tier| cfg.tier_cost.get(&tier).copied().unwrap_or(0.0);
         h -= t.cpu as f64 * tc(Tier::Cpu)
@@ -188,8 +185,8 @@ pub struct Fleet {
     pub saturation: f64,
     /// The weight of queued prefill ([`load_weight`]).
     pub load_weight: f64,
-    /// The most hits any candidate has on a prefix it is prefilling right now: what a
-    /// pod with fewer would compute a second time.
+    /// The deepest prefix of the prompt any candidate is prefilling right now: what a
+    /// pod with fewer hits would compute a second time.
     pub held: f64,
 }
 
@@ -418,8 +415,7 @@ pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Rankin
         } else {
             cands
                 .iter()
-                .filter(|c| c.predicted_inflight > 0)
-                .map(|c| hits(cfg, c))
+                .map(|c| c.prefilling as f64)
                 .fold(0.0, f64::max)
         },
     };
@@ -551,7 +547,8 @@ mod tests {
             key: id as u64 * 7919,
             matched,
             predicted: 0,
-            predicted_inflight: 0,
+            in_flight: 0,
+            prefilling: 0,
             tiers: None,
             stale: false,
             bound: 0.0,
@@ -1026,7 +1023,8 @@ mod tests {
         let cfg = PolicyConfig::default();
         let first = |inflight: u32| Candidate {
             predicted: 17,
-            predicted_inflight: inflight,
+            in_flight: inflight,
+            prefilling: inflight,
             ..cand(0, 0, 1, 22 * 16)
         };
         let c = [first(17), cand(1, 0, 0, 0)];

@@ -431,7 +431,8 @@ mod tests {
                 // What the engines hold plays no part: smg never hears of it.
                 matched: 0,
                 predicted: 0,
-                predicted_inflight: 0,
+                in_flight: 0,
+                prefilling: 0,
                 tiers: None,
                 stale: false,
                 load: LoadView {

@@ -139,7 +139,8 @@ mod tests {
             key: index as u64,
             matched,
             predicted: 0,
-            predicted_inflight: 0,
+            in_flight: 0,
+            prefilling: 0,
             tiers: None,
             stale: false,
             load: LoadView {

@@ -2,7 +2,7 @@
 //! its sums consistent (per-pod totals of other replicas' shares, per-prefix counts that
 //! vanish at zero). Only [`super::Ledger`] touches it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -47,6 +47,9 @@ pub(super) struct Book {
     pub(super) per_replica: HashMap<String, usize>,
     /// Every other replica's shares held, in all.
     pub(super) remote_total: usize,
+    /// This replica's decisions in flight that keep their chain, by its first block (the
+    /// newest [`super::CHAINS_PER_PREFIX`]); an entry lives while it has any.
+    pub(super) chains: HashMap<u64, VecDeque<u64>>,
 }
 
 impl Book {
@@ -77,8 +80,31 @@ impl Book {
         }
     }
 
+    /// File a decision (not yet in `decisions`) under its chain's first block; past the
+    /// bound, the oldest there loses its chain.
+    pub(super) fn chains_add(&mut self, d: &Decision) {
+        let Some(&first) = d.placement.chain.first() else {
+            return;
+        };
+        let ids = self.chains.entry(first).or_default();
+        ids.push_back(d.id);
+        if ids.len() > super::CHAINS_PER_PREFIX {
+            if let Some(old) = ids.pop_front().and_then(|id| self.decisions.get_mut(&id)) {
+                old.placement.chain = Arc::from([]);
+            }
+        }
+    }
+
     /// Undo a local decision's load (it has left `decisions` already).
     pub(super) fn unload(&mut self, d: &Decision, now: f64, tps: f64) {
+        if let Some(&first) = d.placement.chain.first() {
+            if let Some(ids) = self.chains.get_mut(&first) {
+                ids.retain(|&id| id != d.id);
+                if ids.is_empty() {
+                    self.chains.remove(&first);
+                }
+            }
+        }
         let cache = d.cache_pod().clone();
         if let Some(p) = self.pods.get_mut(&cache) {
             p.horizon.release(now, d.placement.prefill_tokens, tps);

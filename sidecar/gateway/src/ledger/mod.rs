@@ -79,6 +79,10 @@ pub struct Placement {
     pub text_bytes: Option<u64>,
     /// The chain's last block (keys the conversation's own tokens-per-byte sample).
     pub last_block: Option<u64>,
+    /// The chain's blocks (at most [`IN_FLIGHT_BLOCKS`]), kept while the request is in
+    /// flight: a request arriving meanwhile with the same prefix sees them
+    /// ([`Ledger::in_flight`]).
+    pub chain: Arc<[u64]>,
 }
 
 /// An outstanding decision of this replica.
@@ -87,6 +91,9 @@ pub struct Decision {
     pub id: u64,
     pub at: Instant,
     pub placement: Placement,
+    /// When its prefill is projected to end, on [`clock`] (the cache pod's horizon once
+    /// it was added).
+    pub prefill_until: f64,
 }
 
 impl Decision {
@@ -97,6 +104,16 @@ impl Decision {
             .as_ref()
             .unwrap_or(&self.placement.pod)
     }
+}
+
+/// A pod's share of a chain in this replica's requests in flight ([`Ledger::in_flight`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct InFlight {
+    pub pod: Arc<str>,
+    /// Blocks of the chain a request in flight there holds.
+    pub held: u32,
+    /// Of those, the blocks of one whose prefill is still under way.
+    pub prefilling: u32,
 }
 
 /// How a decision's load was released (a metric label).
@@ -140,6 +157,12 @@ pub const MAX_REMOTE_SHARES: usize = 1 << 18;
 const MAX_REMOTE_ID: usize = 96;
 
 const PEER_FRESH: Duration = Duration::from_secs(30);
+/// Blocks of a decision's chain kept for [`Ledger::in_flight`] (a longer prompt in flight
+/// is seen to this depth).
+pub const IN_FLIGHT_BLOCKS: usize = 1 << 14;
+/// Decisions whose chains are kept per first block, the newest: a system prompt shared
+/// by every request in flight costs a route at most this many comparisons of chains.
+const CHAINS_PER_PREFIX: usize = 32;
 
 impl Ledger {
     pub fn new(replica: String) -> Ledger {
@@ -207,6 +230,52 @@ impl Ledger {
             .collect()
     }
 
+    /// How deep into `chain` each pod holds a prefix for one of this replica's requests
+    /// in flight, and how deep one whose prefill is still under way (pods with neither
+    /// are left out). A running request's blocks are in its engine's cache (engines do
+    /// not evict what a running request uses), and blocks being prefilled will be there
+    /// in a moment: for a request arriving meanwhile they are as good as cached, and
+    /// sent elsewhere it would compute them again.
+    pub fn in_flight(&self, chain: &[u64], now: Instant) -> Vec<InFlight> {
+        let Some(&first) = chain.first() else {
+            return Vec::new();
+        };
+        let t = clock(now);
+        let book = self.book.lock();
+        let Some(ids) = book.chains.get(&first) else {
+            return Vec::new();
+        };
+        let mut out: Vec<InFlight> = Vec::new();
+        for d in ids.iter().filter_map(|id| book.decisions.get(id)) {
+            let theirs = &d.placement.chain;
+            // Chains hash every block with all before it: equal at i means equal up to i.
+            let (mut lo, mut hi) = (0, theirs.len().min(chain.len()));
+            while lo < hi {
+                let mid = lo + (hi - lo) / 2;
+                if theirs[mid] == chain[mid] {
+                    lo = mid + 1;
+                } else {
+                    hi = mid;
+                }
+            }
+            let depth = u32::try_from(lo).unwrap_or(u32::MAX);
+            let prefilling = if d.prefill_until > t { depth } else { 0 };
+            let pod = d.cache_pod();
+            match out.iter_mut().find(|f| &f.pod == pod) {
+                Some(f) => {
+                    f.held = f.held.max(depth);
+                    f.prefilling = f.prefilling.max(prefilling);
+                }
+                None => out.push(InFlight {
+                    pod: pod.clone(),
+                    held: depth,
+                    prefilling,
+                }),
+            }
+        }
+        out
+    }
+
     /// Add a decision's load; returns its id and the deltas to broadcast.
     pub fn commit(
         &self,
@@ -216,10 +285,11 @@ impl Ledger {
     ) -> (u64, Vec<LoadDelta>) {
         let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let t = clock(now);
-        let dec = Decision {
+        let mut dec = Decision {
             id,
             at: now,
             placement,
+            prefill_until: t,
         };
         let mut book = self.book.lock();
         let cache = dec.cache_pod().clone();
@@ -228,7 +298,9 @@ impl Ledger {
             p.horizon
                 .add(t, dec.placement.prefill_tokens, cfg.prefill_tokens_per_s);
             p.recent.add(t, dec.placement.blocks, cfg.home_window_s);
+            dec.prefill_until = p.horizon.until;
         }
+        book.chains_add(&dec);
         {
             let p = book.pod(&dec.placement.pod);
             p.decode_blocks += dec.placement.blocks;

@@ -29,6 +29,7 @@ fn decision(pod: &str, prefill_pod: Option<&str>, prefix: Option<u64>) -> Placem
         chain_blocks: 10,
         text_bytes: None,
         last_block: None,
+        chain: Arc::from([]),
     }
 }
 
@@ -206,4 +207,67 @@ fn hostile_replica_deltas_are_clamped_saturated_and_bounded() {
         ..huge("q")
     };
     assert!(l.apply_remote(&pod, &other, now, &cfg));
+}
+
+#[test]
+fn a_chain_in_flight_is_seen_to_its_depth_until_released() {
+    let (l, cfg, now) = (ledger("r1"), PolicyConfig::default(), Instant::now());
+    // 1000 tokens at the default 10,000 tokens/s: prefilling for 0.1 s.
+    let system: Vec<u64> = (1..=20).collect();
+    let mut first = system.clone();
+    first.extend([101, 102]);
+    let (id, _) = l.commit(
+        Placement {
+            chain: Arc::from(first.as_slice()),
+            ..decision("a:1", None, None)
+        },
+        now,
+        &cfg,
+    );
+    let mut second = system.clone();
+    second.extend([201, 202, 203]);
+    let seen = l.in_flight(&second, now);
+    assert_eq!(
+        seen,
+        vec![InFlight {
+            pod: Arc::from("a:1"),
+            held: 20,
+            prefilling: 20
+        }]
+    );
+    // Its prefill is done: still held (the request runs), no longer being prefilled.
+    let later = now + Duration::from_millis(200);
+    assert_eq!(l.in_flight(&second, later)[0].held, 20);
+    assert_eq!(l.in_flight(&second, later)[0].prefilling, 0);
+    assert!(
+        l.in_flight(&[999, 1], now).is_empty(),
+        "another first block"
+    );
+    l.release(id, later, &cfg).expect("outstanding");
+    assert!(l.in_flight(&second, later).is_empty());
+    assert!(l.book.lock().chains.is_empty(), "nothing left behind");
+}
+
+#[test]
+fn chains_in_flight_are_bounded_per_first_block() {
+    let (l, cfg, now) = (ledger("r1"), PolicyConfig::default(), Instant::now());
+    // Each request shares the first block; request i holds i + 2 blocks of the chain.
+    let chain: Vec<u64> = (1..=100).collect();
+    let ids: Vec<u64> = (0..CHAINS_PER_PREFIX + 8)
+        .map(|i| {
+            let pod = format!("p:{i}");
+            let p = Placement {
+                chain: Arc::from(&chain[..i + 2]),
+                ..decision(&pod, None, None)
+            };
+            l.commit(p, now, &cfg).0
+        })
+        .collect();
+    let seen = l.in_flight(&chain, now);
+    assert_eq!(seen.len(), CHAINS_PER_PREFIX, "the newest only");
+    assert!(seen.iter().all(|f| f.held >= 10));
+    for id in ids {
+        l.release(id, now, &cfg);
+    }
+    assert!(l.book.lock().chains.is_empty());
 }

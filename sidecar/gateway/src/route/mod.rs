@@ -23,7 +23,7 @@ use serde_json::json;
 
 use crate::affinity::{self, Bound, Kind};
 use crate::index::{ModelIndex, PodMatch};
-use crate::ledger::Placement;
+use crate::ledger::{Placement, IN_FLIGHT_BLOCKS};
 use crate::policy::{self, Ask, Candidate, PodFacts, Ranking};
 use crate::registry::View;
 use crate::state::Sidecar;
@@ -493,6 +493,11 @@ impl<'a> Route<'a> {
             .views(&ids, facts.prefix_key, now, self.cfg);
         let depth =
             |ms: &[PodMatch], id: &str| ms.iter().find(|m| &*m.pod == id).map_or(0, |m| m.depth);
+        let in_flight = if self.ask.load_only {
+            Vec::new()
+        } else {
+            self.sc.ledger().in_flight(&self.req.chain, now)
+        };
         // Only a request routed by guesses weighs what guesses learned of the caches.
         let pressures = match req.mode {
             Mode::Text => self.sc.predicted.pressures(&ids),
@@ -503,21 +508,14 @@ impl<'a> Route<'a> {
             .enumerate()
             .filter_map(|(i, (id, (load, pressure)))| {
                 let p = pods.get(&id)?;
-                let predicted = depth(&facts.predicted, &id);
-                // The guesses past the settled ones belong to decisions still in flight
-                // on that pod (a shared prompt's first user still prefilling it).
-                let predicted_inflight = if predicted > 0 {
-                    let d = predicted as usize;
-                    (d - self.sc.predicted.settled_depth(&id, &self.req.chain, d)) as u32
-                } else {
-                    0
-                };
+                let f = in_flight.iter().find(|f| f.pod == id);
                 let candidate = Candidate {
                     index: i,
                     key: p.key,
                     matched: depth(&facts.confirmed, &id),
-                    predicted,
-                    predicted_inflight,
+                    predicted: depth(&facts.predicted, &id),
+                    in_flight: f.map_or(0, |f| f.held),
+                    prefilling: f.map_or(0, |f| f.prefilling),
                     tiers: None,
                     stale: p.stale,
                     load: p.load_view(load, now),
@@ -582,6 +580,7 @@ impl<'a> Route<'a> {
                 chain_blocks: req.chain.len() as u64,
                 text_bytes: tokens.text_bytes,
                 last_block: req.chain.last().copied(),
+                chain: Arc::from(&req.chain[..req.chain.len().min(IN_FLIGHT_BLOCKS)]),
             },
             self.now,
             self.cfg,
