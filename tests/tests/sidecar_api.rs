@@ -58,7 +58,12 @@ async fn routing_follows_events_and_load() {
         .await;
     assert_eq!(l.json["confirmed"][0]["pod"], "127.0.0.1:8002");
     assert_eq!(l.json["confirmed"][0]["matched_blocks"], 24);
-    // Removal events take effect.
+    // The routed request finishes (while it ran, its prefix counted as held on its pod
+    // whatever the events said: a running request's blocks are in use) ...
+    let done = serde_json::json!({"decision": r.decision, "request_id": "r1",
+        "pod": "127.0.0.1:8002", "status": 200});
+    assert_eq!(api.post("/v1/report", done).await.status, 204);
+    // ... and then removal events take effect.
     api.events(&batch(
         "127.0.0.1:8002",
         M,
