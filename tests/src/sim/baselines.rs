@@ -25,6 +25,7 @@ pub enum Policy {
     PrefixGreedy,
     Dynamo,
     Sglang,
+    VllmRouter,
     /// kvroute as it was before data-parallel ranks were pods: each engine address is one
     /// pod to the router (its ranks' caches merged, their loads summed), and the engine
     /// runs the request on its least-busy rank (vLLM's own balancing), whichever rank holds
@@ -33,7 +34,7 @@ pub enum Policy {
 }
 
 impl Policy {
-    pub const ALL: [Policy; 9] = [
+    pub const ALL: [Policy; 10] = [
         Policy::Kvroute,
         Policy::Random,
         Policy::RoundRobin,
@@ -43,6 +44,7 @@ impl Policy {
         Policy::PrefixGreedy,
         Policy::Dynamo,
         Policy::Sglang,
+        Policy::VllmRouter,
     ];
 
     pub fn name(self) -> &'static str {
@@ -56,6 +58,7 @@ impl Policy {
             Policy::PrefixGreedy => "prefix-greedy",
             Policy::Dynamo => "dynamo",
             Policy::Sglang => "sglang",
+            Policy::VllmRouter => "vllm-router",
             Policy::RankBlind => "rank-blind",
         }
     }
@@ -80,6 +83,10 @@ impl Policy {
             Policy::PrefixGreedy => Box::new(PrefixGreedy(seed as usize)),
             Policy::Dynamo => Box::new(Dynamo),
             Policy::Sglang => Box::new(Sglang::default()),
+            Policy::VllmRouter => Box::new(Sglang {
+                vllm_router: true,
+                ..Sglang::default()
+            }),
             Policy::RankBlind => Box::new(RankBlind {
                 ranks: dp_ranks.max(1),
             }),
@@ -314,6 +321,17 @@ impl Selector for Dynamo {
 /// Its load signal is its own count of requests in flight; its worker-overload guard
 /// reads SGLang's `/v1/loads`, which vLLM-style engines do not serve, so it is off here
 /// as it is in front of vLLM.
+///
+/// With `vllm_router`, vLLM's router (`vllm-router` 0.1.17, `cache_aware`, a fork of the
+/// same lineage), as its `--help` and source describe it: the fleet is *imbalanced* when
+/// the busiest and the idlest worker's requests in flight differ by more than
+/// `--balance-abs-threshold` (64) and the busiest has more than
+/// `--balance-rel-threshold` (1.5) times the idlest's; then the fewest in flight wins,
+/// whatever the tree says. Otherwise a match of more than `--cache-threshold` (0.3) goes
+/// to the deepest match, and a shorter one to the worker whose tree is smallest (the
+/// most cache to spare), not the least loaded. Its trees are bounded per worker
+/// (`--max-tree-size`, 32 Mi characters, trimmed every 120 s); the imitation bounds
+/// the one tree by the workers' sum, which no workload here reaches.
 #[derive(Default)]
 struct Sglang {
     /// Chain block (whose hash names its whole prefix) → the pods it was routed to and
@@ -322,8 +340,14 @@ struct Sglang {
     /// `(block, pod, stamp)` in routing order: least recently routed first.
     lru: VecDeque<(u64, u64, u64)>,
     entries: usize,
+    /// Entries per pod (the size of its part of the tree).
+    per_pod: HashMap<u64, usize>,
     clock: u64,
+    vllm_router: bool,
 }
+
+/// vLLM router's `--max-tree-size` default, characters per worker.
+const VLLM_ROUTER_MAX_TREE_CHARS: usize = 32 << 20;
 
 /// smg's `--max-tree-size` default, in characters.
 const SMG_MAX_TREE_CHARS: usize = 64 << 20;
@@ -351,6 +375,7 @@ impl Sglang {
                 None => {
                     pods.push((pod, stamp));
                     self.entries += 1;
+                    *self.per_pod.entry(pod).or_default() += 1;
                 }
             }
             self.lru.push_back((b, pod, stamp));
@@ -364,6 +389,9 @@ impl Sglang {
                 if let Some(i) = pods.iter().position(|e| *e == (p, st)) {
                     pods.swap_remove(i);
                     self.entries -= 1;
+                    if let Some(n) = self.per_pod.get_mut(&p) {
+                        *n = n.saturating_sub(1);
+                    }
                     if pods.is_empty() {
                         self.tree.remove(&b);
                     }
@@ -396,6 +424,24 @@ impl Selector for Sglang {
                 .map(|(_, k)| k)
         });
         let rate = depth as f64 / ask.prompt_blocks.max(1) as f64;
+        if self.vllm_router {
+            let load = |k: usize| c[k].load.inflight as f64;
+            let (lo, hi) = (0..c.len()).fold((f64::INFINITY, 0.0f64), |(lo, hi), k| {
+                (lo.min(load(k)), hi.max(load(k)))
+            });
+            let smallest = (0..c.len())
+                .min_by_key(|&k| self.per_pod.get(&c[k].key).copied().unwrap_or(0))
+                .unwrap_or(least);
+            let pick = match tenant {
+                _ if hi - lo > 64.0 && hi > 1.5 * lo => least,
+                Some(k) if rate > 0.3 => k,
+                _ => smallest,
+            };
+            let max_entries =
+                c.len() * VLLM_ROUTER_MAX_TREE_CHARS / (4 * ask.block_size.max(1) as usize);
+            self.insert(&req.chain, c[pick].key, max_entries);
+            return chose(pick);
+        }
         let pick = match tenant {
             Some(k) if rate > 0.3 => {
                 let mean = c.iter().map(|x| x.load.inflight as f64).sum::<f64>() / c.len() as f64;
@@ -489,6 +535,26 @@ mod tests {
         assert_eq!(pick(&mut s, &[1, 2, 3, 4, 5, 99], &[0, 0, 0, 0]), 2);
         // A match of 0.3 or less is a new prompt: fewest in flight (first of equals).
         assert_eq!(pick(&mut s, &[1, 2, 30, 40, 50, 60, 70], &[2, 1, 1, 2]), 1);
+    }
+
+    #[test]
+    fn the_vllm_router_imitation_balances_only_a_lopsided_fleet_and_fills_small_trees() {
+        let mut s = Sglang {
+            vllm_router: true,
+            ..Sglang::default()
+        };
+        // A new prompt goes to the smallest tree (all empty: the first), busy or not.
+        assert_eq!(pick(&mut s, &[1, 2, 3, 4], &[3, 1, 2, 5]), 0);
+        // The next new prompt: pod 0's tree holds 4 blocks, the others none.
+        assert_eq!(pick(&mut s, &[10, 20, 30], &[0, 9, 9, 9]), 1);
+        // A follow-up stays on its prompt's pod while the fleet is balanced enough: 70
+        // in flight against 10 is not 64 more, so it stays busy or not ...
+        assert_eq!(pick(&mut s, &[1, 2, 3, 4, 5], &[70, 10, 20, 30]), 0);
+        // ... 80 against 10 is, and 1.5× too: the fewest in flight.
+        assert_eq!(pick(&mut s, &[1, 2, 3, 4, 5], &[80, 10, 20, 30]), 1);
+        // 60 against 0: within the absolute margin, it follows the tree (pod 1 routed
+        // [1..5] last).
+        assert_eq!(pick(&mut s, &[1, 2, 3, 4, 5, 6], &[0, 60, 0, 0]), 1);
     }
 
     #[test]
