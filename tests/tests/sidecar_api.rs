@@ -186,6 +186,16 @@ async fn config_is_validated_versioned_and_round_trips() {
         .post("/v1/route", route_req(M, &chain(M, 3, 4, 16), 16))
         .await;
     assert!(r.json["explain"].is_array(), "{}", r.json);
+    // The same prompt again while that request is in flight: its pod holds it, which the
+    // breakdown shows beside what the engine confirmed (nothing yet).
+    let r = api
+        .post("/v1/route", route_req(M, &chain(M, 3, 4, 16), 16))
+        .await;
+    let first = &r.json["explain"][0];
+    assert_eq!(first["pod"], "127.0.0.1:8001", "{}", r.json);
+    assert_eq!(first["matched"], 0);
+    assert_eq!(first["in_flight"], 4, "{}", r.json);
+    assert_eq!(first["hits"], 4.0);
     assert_eq!(api.metric("kvroute_config_version").await as u64, v0 + 2);
     assert!(api.metric("kvroute_config_rejected_total").await >= 3.0);
 }

@@ -710,7 +710,7 @@ fn explain(cands: &[PodCandidate], ranking: &Ranking) -> serde_json::Value {
             let (c, s) = (&cands[o.candidate].candidate, &o.score);
             json!({
                 "pod": &*cands[o.candidate].pod, "matched": c.matched, "predicted": c.predicted,
-                "stale": c.stale, "hits": round3(s.hits), "uncached": round3(s.uncached),
+                "in_flight": c.in_flight, "prefilling": c.prefilling, "stale": c.stale, "hits": round3(s.hits), "uncached": round3(s.uncached),
                 "queued_prefill_blocks": round3(s.queued_prefill), "decode_blocks": s.decode,
                 "inflight": c.load.inflight, "recent_blocks": round3(c.load.recent_blocks),
                 "within_balance": o.within_balance, "cost": round3(s.cost),
