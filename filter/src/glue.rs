@@ -39,6 +39,8 @@ struct Metrics {
     /// Requests the sidecar queued, and requests it refused (answered 429 here).
     queued: Option<u32>,
     refused: Option<u32>,
+    /// Requests answered 503 here: every pod of the model was failing.
+    unavailable: Option<u32>,
 }
 
 impl Metrics {
@@ -56,6 +58,7 @@ impl Metrics {
             reports: counter("kvroute_reports"),
             queued: counter("kvroute_queued"),
             refused: counter("kvroute_refused"),
+            unavailable: counter("kvroute_unavailable"),
         }
     }
 
@@ -403,11 +406,16 @@ impl Context for Http {
                 }
             }
             Ok(logic::Answer::Refused(r)) => {
-                Metrics::inc(sh.metrics.refused, 1);
+                let counted = if r.status == 503 {
+                    sh.metrics.unavailable
+                } else {
+                    sh.metrics.refused
+                };
+                Metrics::inc(counted, 1);
                 let retry = r.retry_after_s.to_string();
                 let body = logic::refusal_body(&path, &r);
                 let sent = hostcalls::send_http_response(
-                    429,
+                    u32::from(r.status),
                     vec![
                         ("retry-after", retry.as_str()),
                         ("content-type", "application/json"),

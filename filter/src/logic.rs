@@ -316,18 +316,26 @@ pub enum Answer {
     /// The sidecar holds the request in its admission queue: claim its decision with a
     /// wait call (`/v1/route/wait`), for up to `wait_ms`.
     Queued { ticket: u64, wait_ms: u64 },
-    /// The model is saturated and the sidecar will not route the request: answer the
-    /// client `429` with `Retry-After` (sending it on would only queue it in an engine).
+    /// The sidecar will not route the request and says the client should be told so:
+    /// `429` with `Retry-After` while the model is saturated (sending it on would only
+    /// queue it in an engine), `503` while every pod of the model is failing.
     Refused(Refused),
 }
 
 /// A request the sidecar's admission refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Refused {
-    /// The sidecar's stable reason (`queue_full`, `expired`, `displaced`, `shed`, ...).
+    /// What the client is answered: 429 (saturated) or 503 (no ready pod).
+    pub status: u16,
+    /// The sidecar's stable reason (`queue_full`, `expired`, `displaced`, `shed`,
+    /// `no_ready_pod`, ...).
     pub reason: String,
     pub retry_after_s: u32,
 }
+
+/// The sidecar's reason for a `503` the client is answered with; any other `503`
+/// (`no_pod`: the sidecar knows no live pod, and may be the one that is blind) fails open.
+pub const NO_READY_POD: &str = "no_ready_pod";
 
 /// Judge a route or wait call's answer. Only an explicit, well-formed `202` or `429`
 /// from the sidecar queues or refuses a request; anything else that is not a steer
@@ -343,20 +351,28 @@ pub fn answer(status: Option<&str>, body: Option<&[u8]>) -> Result<Answer, Skip>
                 wait_ms: q.wait_ms,
             })
         }
-        Some("429") => {
+        Some(code @ ("429" | "503")) => {
             #[derive(serde::Deserialize)]
             struct Body {
                 reason: String,
                 #[serde(default)]
                 retry_after_s: u32,
             }
-            let b: Body = body
-                .and_then(|b| serde_json::from_slice(b).ok())
-                .ok_or(Skip::BadAnswer)?;
-            Ok(Answer::Refused(Refused {
-                reason: cut(&b.reason, 64).to_owned(),
-                retry_after_s: b.retry_after_s.min(3600),
-            }))
+            let b: Option<Body> = body.and_then(|b| serde_json::from_slice(b).ok());
+            match (code, b) {
+                ("429", Some(b)) => Ok(Answer::Refused(Refused {
+                    status: 429,
+                    reason: cut(&b.reason, 64).to_owned(),
+                    retry_after_s: b.retry_after_s.min(3600),
+                })),
+                ("503", Some(b)) if b.reason == NO_READY_POD => Ok(Answer::Refused(Refused {
+                    status: 503,
+                    reason: NO_READY_POD.to_owned(),
+                    retry_after_s: b.retry_after_s.clamp(1, 3600),
+                })),
+                ("503", _) => Err(Skip::NoPod),
+                _ => Err(Skip::BadAnswer),
+            }
         }
         _ => interpret(status, body).map(Answer::Steer),
     }
@@ -375,22 +391,40 @@ pub fn wait_body(model: &str, ticket: u64) -> Vec<u8> {
 /// rate-limit errors (Anthropic's for `/v1/messages`, OpenAI's otherwise), so SDKs
 /// surface it and retry after `Retry-After`.
 pub fn refusal_body(path: &str, r: &Refused) -> Vec<u8> {
-    let message = format!(
-        "the model's pods are saturated ({}); retry after {} s",
-        r.reason, r.retry_after_s
-    );
+    let unavailable = r.status == 503;
+    let message = if unavailable {
+        format!(
+            "every pod serving the model is failing ({}); retry after {} s",
+            r.reason, r.retry_after_s
+        )
+    } else {
+        format!(
+            "the model's pods are saturated ({}); retry after {} s",
+            r.reason, r.retry_after_s
+        )
+    };
     let v = if Endpoint::from_path(path.split('?').next().unwrap_or(path))
         == Some(Endpoint::Messages)
     {
+        let kind = if unavailable {
+            "overloaded_error"
+        } else {
+            "rate_limit_error"
+        };
         serde_json::json!({
             "type": "error",
-            "error": {"type": "rate_limit_error", "message": message},
+            "error": {"type": kind, "message": message},
         })
     } else {
+        let kind = if unavailable {
+            "service_unavailable"
+        } else {
+            "rate_limit_exceeded"
+        };
         serde_json::json!({
             "error": {
                 "message": message,
-                "type": "rate_limit_exceeded",
+                "type": kind,
                 "param": null,
                 "code": r.reason,
             }
@@ -754,13 +788,47 @@ mod tests {
                 Some(br#"{"error":"x","reason":"expired","retry_after_s":2}"#)
             ),
             Ok(Answer::Refused(Refused {
+                status: 429,
                 reason: "expired".into(),
                 retry_after_s: 2
             }))
         );
         assert_eq!(answer(Some("429"), Some(b"not json")), Err(Skip::BadAnswer));
         assert_eq!(answer(Some("500"), None), Err(Skip::SidecarError));
+        // A 503 is answered to the client only when the sidecar says no pod is ready
+        // (their breakers are open); its Retry-After is kept sane.
+        assert_eq!(
+            answer(
+                Some("503"),
+                Some(br#"{"error":"x","reason":"no_ready_pod","retry_after_s":0}"#)
+            ),
+            Ok(Answer::Refused(Refused {
+                status: 503,
+                reason: "no_ready_pod".into(),
+                retry_after_s: 1
+            }))
+        );
+        for body in [
+            &br#"{"error":"x","reason":"no_pod"}"#[..],
+            br#"{"reason":"no_ready_pod","retry_after_s":-1}"#,
+            b"not json",
+        ] {
+            assert_eq!(answer(Some("503"), Some(body)), Err(Skip::NoPod));
+        }
+        assert_eq!(answer(Some("503"), None), Err(Skip::NoPod));
+        let down = Refused {
+            status: 503,
+            reason: "no_ready_pod".into(),
+            retry_after_s: 4,
+        };
+        let anthropic: serde_json::Value =
+            serde_json::from_slice(&refusal_body("/v1/messages", &down)).expect("json");
+        assert_eq!(anthropic["error"]["type"], "overloaded_error");
+        let openai: serde_json::Value =
+            serde_json::from_slice(&refusal_body("/v1/responses", &down)).expect("json");
+        assert_eq!(openai["error"]["type"], "service_unavailable");
         let r = Refused {
+            status: 429,
             reason: "queue_full".into(),
             retry_after_s: 1,
         };

@@ -596,3 +596,111 @@ async fn event_flood_is_capped() {
     );
     assert!(pass);
 }
+
+/// Every engine of the model failing, with admission on: once each pod's breaker is open
+/// the client is answered `503` with `Retry-After` (the breaker's cooldown) and an error
+/// body shaped as its API's, and no request reaches an engine; after the cooldown the
+/// engines are tried again. With admission off the same state fails open, as ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_engines_are_answered_503_under_admission() {
+    let mut args = engine_args();
+    args.extend(["--error-fraction".into(), "1.0".into()]);
+    let stack = Stack::start(StackOpts {
+        engines: 2,
+        nats: false,
+        engine_args: args,
+        ..StackOpts::default()
+    })
+    .await
+    .expect("stack");
+    let mut cfg = stack.api.get("/v1/config").await.json;
+    cfg["breaker_failures"] = json!(2);
+    cfg["breaker_cooldown_s"] = json!(2);
+    cfg["admission"] = json!({"enabled": true, "retry_after_s": 1});
+    let put = stack.api.put("/v1/config", &cfg).await;
+    assert_eq!(put.status, 200, "{}", put.json);
+    let http = reqwest::Client::new();
+    let url = stack.envoy.url("");
+    let send = |path: &'static str| {
+        let (http, url) = (http.clone(), url.clone());
+        async move {
+            let body = if path == "/v1/messages" {
+                json!({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hello there"}]})
+            } else {
+                json!({"model": "m", "max_tokens": 4, "prompt": "hello there, a prompt of some length"})
+            };
+            let r = http
+                .post(format!("{url}{path}"))
+                .json(&body)
+                .send()
+                .await
+                .expect("envoy answers");
+            let status = r.status().as_u16();
+            let retry = r
+                .headers()
+                .get("retry-after")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned);
+            let body: serde_json::Value = r.json().await.unwrap_or_default();
+            (status, retry, body)
+        }
+    };
+    // Until both breakers are open, the engines' own 500s come back (the filter reports
+    // each after its response, so a few more may pass before the sidecar hears of them).
+    let mut first_503 = None;
+    for n in 0..40 {
+        let (status, retry, body) = send("/v1/completions").await;
+        if status == 503 {
+            first_503 = Some((n, retry, body));
+            break;
+        }
+        assert_eq!(status, 500, "the engine's failure: {body}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (n, retry, body) = first_503.expect("refused once every breaker opened");
+    assert!(n >= 4, "two failures per pod before the refusals ({n})");
+    let retry_s: u64 = retry
+        .as_deref()
+        .and_then(|r| r.parse().ok())
+        .expect("Retry-After");
+    assert!(
+        (1..=2).contains(&retry_s),
+        "the breaker's cooldown: {retry_s}"
+    );
+    assert_eq!(body["error"]["type"], "service_unavailable", "{body}");
+    assert_eq!(body["error"]["code"], "no_ready_pod", "{body}");
+    let (status, _, body) = send("/v1/messages").await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["error"]["type"], "overloaded_error", "{body}");
+    let refused = stack
+        .api
+        .metric("kvroute_route_errors_total{reason=\"no_ready_pod\"}")
+        .await;
+    assert!(refused >= 2.0, "counted: {refused}");
+    let filter_count = stack
+        .envoy
+        .stat("wasmcustom.kvroute_unavailable")
+        .unwrap_or(0);
+    assert!(filter_count >= 2, "the filter counted them: {filter_count}");
+    // After the cooldown the engines are tried again (and fail again).
+    tokio::time::sleep(Duration::from_secs(retry_s) + Duration::from_millis(300)).await;
+    let (status, _, _) = send("/v1/completions").await;
+    assert_eq!(status, 500, "tried again after Retry-After");
+    // Admission off: no answer of kvroute's own, the request goes on unsteered.
+    let mut cfg = stack.api.get("/v1/config").await.json;
+    cfg["admission"]["enabled"] = json!(false);
+    assert_eq!(stack.api.put("/v1/config", &cfg).await.status, 200);
+    for _ in 0..4 {
+        send("/v1/completions").await;
+    }
+    let (status, _, _) = send("/v1/completions").await;
+    assert_eq!(status, 500, "fails open without admission");
+    report(
+        "Every engine of a model failing, admission on",
+        "2 engines answering every request 500; breakers open after 2 failures for 2 s",
+        &format!(
+            "after {n} engine 500s the clients got 503 + Retry-After {retry_s} s (OpenAI and Anthropic error shapes), {refused} counted; engines tried again after the cooldown; admission off: failed open"
+        ),
+        true,
+    );
+}

@@ -420,6 +420,18 @@ fn decode_route(sc: &Sidecar, binary: bool, body: &[u8]) -> Result<RouteRequest,
 fn answer(r: Result<RouteResponse, RouteError>) -> Response {
     match r {
         Ok(resp) => Json(resp).into_response(),
+        // An answer for the client (the filter relays it): with when to try again.
+        Err(e) if e.retry_after_s().is_some() => {
+            let retry = e.retry_after_s().unwrap_or_default();
+            let body =
+                json!({"error": e.to_string(), "reason": e.reason(), "retry_after_s": retry});
+            (
+                status_of(e.status()),
+                [("retry-after", retry.to_string())],
+                Json(body),
+            )
+                .into_response()
+        }
         Err(e) => err(status_of(e.status()), e.reason(), e),
     }
 }

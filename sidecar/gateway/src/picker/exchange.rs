@@ -77,6 +77,8 @@ pub enum Outcome {
     ModeUnsupported,
     Skip(Skip),
     NoPod,
+    /// Every pod of the model is failing (breakers open): answered 503 + Retry-After.
+    NoReadyPod,
     /// The subset hint left no eligible pod: answered 503.
     OutsideSubset,
     Deadline,
@@ -97,6 +99,7 @@ impl Outcome {
             Outcome::ModeUnsupported => "mode_unsupported",
             Outcome::Skip(s) => s.as_str(),
             Outcome::NoPod => "no_pod",
+            Outcome::NoReadyPod => "no_ready_pod",
             Outcome::OutsideSubset => "outside_subset",
             Outcome::Deadline => "deadline",
             Outcome::Refused => "refused",
@@ -392,8 +395,13 @@ impl Exchange {
             return Vec::new();
         }
         self.settle(Outcome::Saturated);
+        self.refuse(429, reason, retry_after_s)
+    }
+
+    fn refuse(&mut self, status: u16, reason: &str, retry_after_s: u32) -> Vec<ProcessingResponse> {
         self.state = State::Passing;
         let r = logic::Refused {
+            status,
             reason: reason.to_owned(),
             retry_after_s,
         };
@@ -426,6 +434,11 @@ impl Exchange {
                     "outside_subset",
                     "no endpoint of the requested subset can serve this request",
                 )];
+            }
+            Err(e @ RouteError::NoReadyPod { .. }) => {
+                self.settle(Outcome::NoReadyPod);
+                let retry = e.retry_after_s().unwrap_or(1);
+                return self.refuse(e.status(), e.reason(), retry);
             }
             Err(e) => {
                 self.settle(match e {

@@ -170,8 +170,8 @@ pub fn immediate(status: u16, reason: &str, message: &str) -> ProcessingResponse
     }))
 }
 
-/// Answer a request admission refused: `429` with `Retry-After` and `body` (the API's
-/// own error shape, `logic::refusal_body`).
+/// Answer a request the sidecar refused: `429` (saturated) or `503` (no ready pod) with
+/// `Retry-After` and `body` (the API's own error shape, `logic::refusal_body`).
 pub fn refused(body: &[u8], r: &kvroute_filter::logic::Refused) -> ProcessingResponse {
     let mutation = HeaderMutation {
         set_headers: vec![
@@ -182,7 +182,9 @@ pub fn refused(body: &[u8], r: &kvroute_filter::logic::Refused) -> ProcessingRes
         ..Default::default()
     };
     answer(Resp::ImmediateResponse(ImmediateResponse {
-        status: Some(HttpStatus { code: 429 }),
+        status: Some(HttpStatus {
+            code: i32::from(r.status),
+        }),
         headers: Some(mutation),
         body: body.to_vec(),
         details: format!("kvroute_{}", r.reason),

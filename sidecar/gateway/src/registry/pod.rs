@@ -112,6 +112,13 @@ impl Pod {
         self.breaker_until.is_some_and(|t| now < t)
     }
 
+    /// How long the open breaker stays open (`None` when it is closed).
+    pub fn breaker_left(&self, now: Instant) -> Option<std::time::Duration> {
+        self.breaker_until
+            .filter(|&t| now < t)
+            .map(|t| t.duration_since(now))
+    }
+
     pub fn role(&self) -> Role {
         self.reg.role
     }

@@ -20,6 +20,13 @@ pub enum RouteError {
         model: String,
         adapter: String,
     },
+    /// Admission is on and every pod of the model that could serve is out only because
+    /// its breaker is open (it answered 5xx): the client is told to come back when the
+    /// first one closes, instead of being sent on to a failing engine.
+    NoReadyPod {
+        model: String,
+        retry_after_s: u32,
+    },
     /// The data plane named the pods to choose from and none of them can serve.
     OutsideSubset,
     /// The caller's deadline passed before the decision could be answered: nothing
@@ -36,6 +43,7 @@ impl RouteError {
             RouteError::EmptyModel | RouteError::ChainTooLong(_) => "bad_request",
             RouteError::BlockSizeMismatch { .. } => "block_size_mismatch",
             RouteError::NoPod { .. } => "no_pod",
+            RouteError::NoReadyPod { .. } => "no_ready_pod",
             RouteError::OutsideSubset => "outside_subset",
             RouteError::DeadlinePassed => "deadline",
             RouteError::Saturated => "saturated",
@@ -46,10 +54,20 @@ impl RouteError {
     /// answer would come too late (504), or the fleet has no room for it now (429).
     pub fn status(&self) -> u16 {
         match self {
-            RouteError::NoPod { .. } | RouteError::OutsideSubset => 503,
+            RouteError::NoPod { .. }
+            | RouteError::NoReadyPod { .. }
+            | RouteError::OutsideSubset => 503,
             RouteError::Saturated => 429,
             RouteError::DeadlinePassed => 504,
             _ => 400,
+        }
+    }
+
+    /// When to try again, for the errors a client is answered with (not failed open on).
+    pub fn retry_after_s(&self) -> Option<u32> {
+        match self {
+            RouteError::NoReadyPod { retry_after_s, .. } => Some(*retry_after_s),
+            _ => None,
         }
     }
 }
@@ -78,6 +96,13 @@ impl std::fmt::Display for RouteError {
             RouteError::Saturated => {
                 f.write_str("no pod has room for the request now; it should wait its turn")
             }
+            RouteError::NoReadyPod {
+                model,
+                retry_after_s,
+            } => write!(
+                f,
+                "every pod of model {model:?} is failing (breakers open); retry after {retry_after_s} s"
+            ),
             RouteError::NoPod { model, adapter } if adapter.is_empty() => {
                 write!(f, "no live pod serves model {model:?}")
             }

@@ -25,7 +25,7 @@ use crate::affinity::{self, Bound, Kind};
 use crate::index::{ModelIndex, PodMatch};
 use crate::ledger::{Placement, IN_FLIGHT_BLOCKS};
 use crate::policy::{self, Ask, Candidate, PodFacts, Ranking};
-use crate::registry::View;
+use crate::registry::{Pod, View};
 use crate::state::Sidecar;
 
 pub use error::RouteError;
@@ -241,10 +241,7 @@ fn route_inner(
     };
     let mut cands = r.candidates(&pods, main_role);
     if cands.is_empty() {
-        return Err(match subset {
-            Some(_) => RouteError::OutsideSubset,
-            None => r.no_pod(),
-        });
+        return Err(r.none_left(&pods, main_role, gate.is_some()));
     }
     let main_ask = Ask {
         load_only: disaggregated,
@@ -463,26 +460,53 @@ impl<'a> Route<'a> {
 
     /// The pods that pass the Filter stage, with their cache facts and load, in pod-id
     /// order (so every selector, and every replica, sees them in the same order).
+    /// `p` passes the Filter stage; `breakers` false looks past an open breaker.
+    fn eligible(&self, p: &Pod, want: Option<Role>, breakers: bool) -> bool {
+        let f = PodFacts {
+            role: p.reg.role,
+            adapters: &p.reg.adapters,
+            breaker_open: breakers && p.breaker_open(self.now),
+        };
+        policy::admissible(&f, &self.req.adapter, want)
+            && self.subset.is_none_or(|s| s.iter().any(|x| **x == *p.id))
+            // Alive in the index (a pod in phase 1 of removal is already out).
+            && self
+                .facts
+                .index
+                .as_ref()
+                .is_none_or(|ix| ix.handle(&p.id).is_some())
+    }
+
+    /// Why no candidate was left. A model whose pods are all out only because their
+    /// breakers are open (the engines answered 5xx) has no ready pod: with admission on,
+    /// the client is told `503` and when the first breaker closes, rather than being
+    /// sent on to an engine that fails. Anything else (no pod known, none alive in the
+    /// index: the sidecar may be the one that is blind) stays `no_pod`, which fails open.
+    fn none_left(&self, pods: &View<'_>, want: Option<Role>, gated: bool) -> RouteError {
+        if self.subset.is_some() {
+            return RouteError::OutsideSubset;
+        }
+        let soonest = pods
+            .of_model(&self.req.model)
+            .filter(|p| self.eligible(p, want, false))
+            .filter_map(|p| p.breaker_left(self.now))
+            .min();
+        match soonest {
+            Some(left) if gated => RouteError::NoReadyPod {
+                model: self.req.model.clone(),
+                retry_after_s: u32::try_from(left.as_secs_f64().ceil() as u64)
+                    .unwrap_or(u32::MAX)
+                    .max(1),
+            },
+            _ => self.no_pod(),
+        }
+    }
+
     fn candidates(&self, pods: &View<'_>, want: Option<Role>) -> Vec<PodCandidate> {
         let (req, facts, now) = (self.req, &self.facts, self.now);
         let mut ids: Vec<&Arc<str>> = pods
             .of_model(&req.model)
-            .filter(|p| {
-                let f = PodFacts {
-                    role: p.reg.role,
-                    adapters: &p.reg.adapters,
-                    breaker_open: p.breaker_open(now),
-                };
-                policy::admissible(&f, &req.adapter, want)
-            })
-            .filter(|p| self.subset.is_none_or(|s| s.iter().any(|x| **x == *p.id)))
-            // Alive in the index (a pod in phase 1 of removal is already out).
-            .filter(|p| {
-                facts
-                    .index
-                    .as_ref()
-                    .is_none_or(|ix| ix.handle(&p.id).is_some())
-            })
+            .filter(|p| self.eligible(p, want, true))
             .map(|p| &p.id)
             .collect();
         ids.sort_unstable();
@@ -1029,6 +1053,60 @@ mod tests {
 
     /// A client that gives up before any answer (the filter reports status 0) is not a
     /// pod failure; server errors in a row still open the breaker.
+    /// With admission on, a model whose pods all have open breakers answers 503
+    /// `no_ready_pod` with when the first closes; without admission, or when the pods
+    /// are out for another reason, it stays `no_pod` (the filter fails open on it).
+    #[test]
+    fn failing_pods_make_no_ready_pod_only_under_admission() {
+        let (sc, _ch) = four_pods();
+        let cfg = sc.config();
+        let gate = crate::admission::Headroom {
+            max_backlog_s: 1e9,
+            max_waiting: 0,
+            max_inflight: 0,
+            cache_loss: 1.0,
+            reserve_inflight: 0,
+        };
+        let req = tokens_req(vec![21, 22, 23], "r");
+        let gated =
+            |sc: &Sidecar| route_gated_with(sc, &req, Instant::now(), &mut PolicySelector, &gate);
+        for p in 0..4 {
+            let pod = format!("10.0.0.{p}:8000");
+            for _ in 0..cfg.breaker_failures {
+                let a = gated(&sc).expect("a pod is ready");
+                done_with(
+                    &sc,
+                    &RouteResponse {
+                        pod: pod.clone(),
+                        ..a
+                    },
+                    500,
+                );
+            }
+        }
+        match gated(&sc) {
+            Err(e @ RouteError::NoReadyPod { .. }) => {
+                let retry = e.retry_after_s().expect("retry");
+                assert!(
+                    (1..=cfg.breaker_cooldown_s as u32).contains(&retry),
+                    "{retry}"
+                );
+                assert_eq!((e.status(), e.reason()), (503, "no_ready_pod"));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(route(&sc, &req), Err(RouteError::NoPod { .. })));
+        // Another model's pods (none) or an adapter nobody serves are not "failing".
+        let other = RouteRequest::tokens("other", 16, vec![1]);
+        assert!(matches!(
+            route_gated_with(&sc, &other, Instant::now(), &mut PolicySelector, &gate),
+            Err(RouteError::NoPod { .. })
+        ));
+        // The breakers close after their cooldown: ready again.
+        let later = Instant::now() + std::time::Duration::from_secs(cfg.breaker_cooldown_s + 1);
+        assert!(route_gated_with(&sc, &req, later, &mut PolicySelector, &gate).is_ok());
+    }
+
     #[test]
     fn client_aborts_do_not_open_the_breaker() {
         let (sc, _ch) = four_pods();

@@ -459,6 +459,37 @@ fn no_pod_and_late_decisions_fail_open() {
     }
 }
 
+/// Every pod failing (breakers open, admission on): the client is answered 503 with
+/// Retry-After, as through the filter.
+#[test]
+fn no_ready_pod_is_answered_503() {
+    let mut ex = exchange();
+    ex.on_message(first(BodySendMode::Buffered, false, post(), None));
+    job(ex.on_message(chunk(BODY, true)));
+    let e = RouteError::NoReadyPod {
+        model: "m".into(),
+        retry_after_s: 4,
+    };
+    let r = ex.routed("m", Err(e), Instant::now());
+    let Some(Resp::ImmediateResponse(i)) = &r[0].response else {
+        panic!("{r:?}")
+    };
+    assert_eq!(i.status.map(|s| s.code), Some(503));
+    let retry = i
+        .headers
+        .as_ref()
+        .expect("headers")
+        .set_headers
+        .iter()
+        .filter_map(|h| h.header.as_ref())
+        .find(|h| h.key == "retry-after")
+        .map(|h| h.raw_value.clone());
+    assert_eq!(retry.as_deref(), Some(&b"4"[..]));
+    let b: serde_json::Value = serde_json::from_slice(&i.body).expect("json");
+    assert_eq!(b["error"]["code"], "no_ready_pod", "{b}");
+    assert_eq!(ex.take_outcome(), Some(Outcome::NoReadyPod));
+}
+
 #[test]
 fn out_of_order_messages_are_answered_never_left_hanging() {
     let mut ex = exchange();
