@@ -7,13 +7,16 @@ Usage: agent_sessions.py GATEWAY_URL SESSIONS TURNS [PHASE]. Per session, altern
   Claude Code sends them), tools, and every turn's tool use and tool result in the
   history, the session in `x-claude-code-session-id`;
 - OpenAI Responses (`responses.create`, streamed on odd turns) where every later turn
-  sends only its new input and `previous_response_id`.
+  sends only its new input and `previous_response_id`;
+- OpenAI Responses as Codex sends them with `store: false` (`responses_full`): every turn
+  resends the whole conversation as items (input_text messages, the assistant's output
+  messages, function calls and their outputs), with function tools and a reasoning effort.
 
 Prints one JSON line per turn: api, session, turn, the pod that served it (`x-pod`, set by
 the engine), prompt and cached tokens from the API's own usage fields. PHASE names the
 sessions' Responses keys; a later run continues the same sessions (Messages by their
 session ids, Responses from the ids saved in the file named by KVROUTE_RESP_STATE).
-KVROUTE_APIS limits the run to `messages` or `responses`.
+KVROUTE_APIS lists the kinds to run (default `messages,responses`).
 """
 
 import json
@@ -115,11 +118,50 @@ def responses_session(s):
     state[str(s)] = prev
 
 
+FUNCTIONS = [{"type": "function", "name": "shell", "description": "Run a command in the sandbox.",
+              "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}}},
+                             "required": ["command"]}, "strict": False}]
+
+
+def responses_full_session(s):
+    items = []
+    for t in range(turns):
+        items.append({"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": f"Codex session {s}, step {t}: fix the failing test. " + ("context " * 60 if t == 0 else "")}]})
+        kw = dict(model="m", max_output_tokens=8, input=items, store=False, tools=FUNCTIONS,
+                  reasoning={"effort": "low"}, prompt_cache_key=f"codex-full-{s}",
+                  instructions="You are Codex, a coding agent. " + "Be precise and terse. " * 30)
+        if t % 2:
+            raw = oai.responses.with_raw_response.create(stream=True, **kw)
+            pod = raw.headers.get("x-pod", "")
+            resp = None
+            for ev in raw.parse():
+                if ev.type == "response.completed":
+                    resp = ev.response
+        else:
+            raw = oai.responses.with_raw_response.create(**kw)
+            pod = raw.headers.get("x-pod", "")
+            resp = raw.parse()
+        u = resp.usage
+        cached = u.input_tokens_details.cached_tokens if u.input_tokens_details else 0
+        print(json.dumps({"api": "responses_full", "session": s, "turn": t, "pod": pod,
+                          "prompt_tokens": u.input_tokens, "cached_tokens": cached}), flush=True)
+        # The agent's reply and a tool call with its output, resent with the next turn.
+        items.append({"type": "message", "role": "assistant", "id": f"msg_{s}_{t}", "status": "completed",
+                      "content": [{"type": "output_text", "text": resp.output_text, "annotations": []}]})
+        items.append({"type": "function_call", "call_id": f"call_{s}_{t}", "name": "shell",
+                      "arguments": json.dumps({"command": ["cargo", "test"]})})
+        items.append({"type": "function_call_output", "call_id": f"call_{s}_{t}",
+                      "output": "test result: ok. " + "running 12 tests " * 10})
+
+
 apis = os.environ.get("KVROUTE_APIS", "messages,responses").split(",")
 for s in range(sessions):
     if "messages" in apis:
         messages_session(s)
     if "responses" in apis:
         responses_session(s)
+    if "responses_full" in apis:
+        responses_full_session(s)
 if state_file:
     json.dump(state, open(state_file, "w"))

@@ -191,10 +191,16 @@ impl Engine {
         let api = Api::of(path);
         let chat = api == Api::Chat;
         if matches!(api, Api::Messages | Api::Responses) {
-            if let (Some(t), Api::Messages) = (&self.model_tok, api) {
-                return t
-                    .tokenize_for(kvroute_shared::protocol::PromptApi::Messages, v)
-                    .map_err(|e| e.to_string());
+            // With the model's directory, as vLLM does: Messages and Responses bodies made
+            // the chat request vLLM renders (a continued response below: its history is
+            // this engine's own record).
+            let continued = v["previous_response_id"].is_string();
+            if let (Some(t), false) = (&self.model_tok, continued) {
+                let api = match api {
+                    Api::Messages => kvroute_shared::protocol::PromptApi::Messages,
+                    _ => kvroute_shared::protocol::PromptApi::Responses,
+                };
+                return t.tokenize_for(api, v).map_err(|e| e.to_string());
             }
             let text = crate::engine_api::agent_text(api, v)?;
             let mut toks = match &self.model_tok {

@@ -4,10 +4,11 @@
 //! streamed and not, every later turn naming `previous_response_id`) through Envoy and the
 //! filter, to engine simulators that publish vLLM's events through bridges.
 //!
-//! Messages are routed precisely (the sidecar converts them as vLLM does and tokenizes
-//! with the model's directory, so decisions come from the engines' events); Responses
-//! turns carry only their new input and reach the pod that stored the conversation by
-//! its response binding. Then a second gateway replica continues the same sessions from
+//! Messages, and Responses sessions that resend their whole conversation (`store: false`,
+//! as Codex does), are routed precisely (the sidecar converts them as vLLM does and
+//! tokenizes with the model's directory, so decisions come from the engines' events);
+//! Responses turns naming `previous_response_id` carry only their new input and reach the
+//! pod that stored the conversation by its response binding. Then a second gateway replica continues the same sessions from
 //! the bindings it heard over NATS, and a pod removed mid-session is left at once.
 
 use std::path::PathBuf;
@@ -90,12 +91,14 @@ async fn agent_sessions_stay_with_their_pods() {
     let state = tmp.path().join("responses.json").display().to_string();
     let url = stack.envoy.url("");
     let (u, st) = (url.clone(), state.clone());
-    let first = tokio::task::spawn_blocking(move || run(&u, 3, 4, "a", "messages,responses", &st))
-        .await
-        .expect("join");
-    assert_eq!(first.len(), 24, "{first:?}");
+    let first = tokio::task::spawn_blocking(move || {
+        run(&u, 3, 4, "a", "messages,responses,responses_full", &st)
+    })
+    .await
+    .expect("join");
+    assert_eq!(first.len(), 36, "{first:?}");
     let homes = pods_per_session(&first, true);
-    assert_eq!(homes.len(), 6);
+    assert_eq!(homes.len(), 9);
     assert!(
         homes
             .iter()
@@ -125,13 +128,17 @@ async fn agent_sessions_stay_with_their_pods() {
             .and_then(|v| v.parse::<f64>().ok())
             .unwrap_or(0.0)
     };
-    assert_eq!(precise("tokens"), 12.0, "every Messages turn in token mode");
     assert_eq!(
-        precise("unsupported"),
-        12.0,
-        "Responses keep their text chain"
+        precise("tokens"),
+        27.0,
+        "every Messages turn, every stateless Responses turn and the first of each continued one in token mode"
     );
-    let decisions = stack.api.get("/v1/decisions?limit=24").await.json;
+    assert_eq!(
+        precise("continued_response"),
+        9.0,
+        "Responses turns continuing a stored response keep their text chain"
+    );
+    let decisions = stack.api.get("/v1/decisions?limit=36").await.json;
     let list = decisions["decisions"]
         .as_array()
         .cloned()
@@ -144,14 +151,17 @@ async fn agent_sessions_stay_with_their_pods() {
                 && d["candidates"][0]["matched_blocks"].as_u64().unwrap_or(0) > 10
         })
         .count();
-    // Every later turn (9), and first turns that found the shared system prompt.
+    // Every later Messages and stateless Responses turn (18), and first turns that found
+    // the shared system prompt.
     assert!(
-        from_events >= 9,
-        "later Messages turns matched their history: {decisions}"
+        from_events >= 18,
+        "later Messages and Responses turns matched their history: {decisions}"
     );
     let status = stack.api.get("/v1/status").await.json;
-    assert_eq!(status["bindings"]["session"], 6, "{}", status["bindings"]);
-    assert_eq!(status["bindings"]["response"], 12, "{}", status["bindings"]);
+    // Sessions: Claude Code's header and the Responses sessions' prompt_cache_key (both
+    // kinds); responses: every response id learned, stored or not.
+    assert_eq!(status["bindings"]["session"], 9, "{}", status["bindings"]);
+    assert_eq!(status["bindings"]["response"], 24, "{}", status["bindings"]);
 
     // A second gateway replica: its own sidecar (the same NATS) behind its own Envoy.
     let nats = stack.nats.as_ref().map(|n| n.url()).unwrap_or_default();

@@ -80,24 +80,39 @@ fn token_ids_match_transformers_on_every_conversation() {
         let chats = cases.iter().filter(|c| c["chat"] == true).count();
         assert!(chats >= 500, "{name}: {chats} conversations");
         let mut bad = Vec::new();
-        let mut messages = 0;
+        let (mut messages, mut responses, mut refused) = (0, 0, 0);
         // Twice: the second pass is served from the segment cache.
         for pass in 0..2 {
             for (i, c) in cases.iter().enumerate() {
                 let chat = c["chat"] == true;
-                if c["api"] == "messages" {
-                    messages += usize::from(pass == 0);
-                    let got = t.tokenize_for(PromptApi::Messages, &c["body"]);
+                let api = match c["api"].as_str() {
+                    Some("messages") => Some(PromptApi::Messages),
+                    Some("responses") => Some(PromptApi::Responses),
+                    _ => None,
+                };
+                if let Some(api) = api {
+                    if pass == 0 {
+                        match api {
+                            PromptApi::Messages => messages += 1,
+                            _ => responses += 1,
+                        }
+                        refused += usize::from(c["ids"].is_null());
+                    }
+                    let got = t.tokenize_for(api, &c["body"]);
                     let ok = match c["ids"].is_null() {
                         true => got.is_err(),
                         false => got.as_ref() == Ok(&ids(&c["ids"])),
                     };
                     if !ok {
-                        let chat = t.messages_to_chat(&c["body"]);
+                        let chat = match api {
+                            PromptApi::Messages => format!("{:?}", t.messages_to_chat(&c["body"])),
+                            _ => format!("{:?}", t.responses_to_chat(&c["body"])),
+                        };
                         bad.push(format!(
-                            "{name} pass {pass} messages case {i}: got {:?}\nwant {}\nas chat {chat:?}",
+                            "{name} pass {pass} {api:?} case {i}: got {:?}\nwant {}\nbody {}\nas chat {chat}",
                             got.map(|v| v.len()),
-                            c["ids"].as_array().map_or(0, Vec::len)
+                            c["ids"].as_array().map_or(0, Vec::len),
+                            c["body"]
                         ));
                     }
                     continue;
@@ -128,7 +143,7 @@ fn token_ids_match_transformers_on_every_conversation() {
         }
         let s = t.cache_stats();
         println!(
-            "{name}: {} requests ({messages} of them Anthropic Messages) x2 identical to transformers; segment cache {} entries, {} hits, {} misses, caches segments: {}",
+            "{name}: {} requests ({messages} of them Anthropic Messages, {responses} OpenAI Responses; {refused} of those refused by vLLM or its template, and here) x2 identical to transformers; segment cache {} entries, {} hits, {} misses, caches segments: {}",
             cases.len(),
             s.entries,
             s.hits,
@@ -142,9 +157,14 @@ fn token_ids_match_transformers_on_every_conversation() {
             bad[0]
         );
         assert!(messages >= 250, "{name}: {messages} Messages bodies");
+        assert!(responses >= 250, "{name}: {responses} Responses bodies");
+        assert!(
+            refused * 4 < messages + responses,
+            "{name}: most bodies are accepted"
+        );
         total += cases.len();
     }
-    assert!(total >= 4250);
+    assert!(total >= 5500);
 }
 
 /// vLLM decides from a template's syntax tree whether it reads `content` as a string or

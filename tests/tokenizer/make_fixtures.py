@@ -21,7 +21,8 @@ For each, chat bodies (`apply_chat_template(messages, tools=..., tokenize=True,
 add_generation_prompt=True, **chat_template_kwargs)`, the messages first passed through
 vLLM's own `_postprocess_messages` — compiled from vLLM's sdist on PyPI, pinned by hash —
 as vLLM's server does), Anthropic Messages bodies (turned into chat requests by vLLM's own
-conversion, `vllm_messages.py`, then the same way) and completions bodies
+conversion, `vllm_messages.py`, then the same way), OpenAI Responses bodies (turned into chat
+messages by vLLM's own conversion, `vllm_responses.py`, then the same way) and completions bodies
 (`tokenizer(prompt)`, special tokens added). Usage: make_fixtures.py OUT_DIR [N_CONVERSATIONS] (0: the model directories only). Writes OUT_DIR/<name>/ (a model
 directory) and OUT_DIR/fixtures.json.
 """
@@ -174,6 +175,10 @@ VLLM_FILES = [
     "vllm/entrypoints/generate/base/protocol.py",
     "vllm/entrypoints/openai/chat_completion/protocol.py",
     "vllm/renderers/hf.py",
+    "vllm/renderers/params.py",
+    "vllm/tool_parsers/utils.py",
+    "vllm/entrypoints/openai/responses/protocol.py",
+    "vllm/entrypoints/openai/responses/utils.py",
 ]
 
 
@@ -310,6 +315,95 @@ def messages_body(rng, with_tools):
     return body
 
 
+TOOLS_RESPONSES = [
+    {"type": "function", "name": "read_file", "description": "Read a file <safely> & \"quickly\".",
+     "parameters": {"type": "object", "properties": {"path": {"type": "string", "description": "名前"}},
+                    "required": ["path"]}, "strict": True},
+    {"type": "function", "name": "run", "parameters": {"properties": {"cmd": {"type": "array"}}}, "strict": False},
+    {"type": "function", "name": "ping"},
+]
+NAMESPACE_TOOL = {"type": "namespace", "name": "crm", "description": "customer records",
+                  "tools": [{"type": "function", "name": "lookup", "description": "find one",
+                             "parameters": {"type": "object", "properties": {"id": {"type": "integer"}}}}]}
+
+
+def responses_body(rng, with_tools):
+    """A Responses body as Codex-like agents send them: instructions, a string input or
+    items (user, developer and system messages with input_text parts, assistant output
+    messages, reasoning items, function and custom tool calls with their outputs), tools,
+    reasoning effort; now and then an item vLLM refuses (encrypted reasoning, a reference)."""
+    body = {"model": "m"}
+    if rng.random() < 0.7:
+        body["instructions"] = rng.choice([text(rng, 1, 30), ""])
+    if rng.random() < 0.15:
+        body["input"] = text(rng, 1, 30)
+    else:
+        items = []
+        for turn in range(rng.randint(1, 4)):
+            r = rng.random()
+            if r < 0.4:
+                items.append({"role": "user", "content": text(rng, 1, 30)})
+            else:
+                items.append({"type": "message", "role": "user",
+                              "content": [{"type": "input_text", "text": text(rng, 1, 20)}
+                                          for _ in range(rng.randint(1, 2))]})
+            if rng.random() < 0.1:
+                items.append({"role": rng.choice(["developer", "system"]), "content": text(rng, 1, 8)})
+            if rng.random() < 0.4:
+                reasoning = {"type": "reasoning", "id": f"rs_{turn}", "summary": []}
+                r = rng.random()
+                if r < 0.4:
+                    reasoning["content"] = [{"type": "reasoning_text", "text": text(rng, 0, 15)}]
+                elif r < 0.8:
+                    reasoning["summary"] = [{"type": "summary_text", "text": text(rng, 0, 15)}]
+                if rng.random() < 0.03:
+                    reasoning["encrypted_content"] = "gAAAA"
+                items.append(reasoning)
+            if rng.random() < 0.7:
+                if rng.random() < 0.6:
+                    items.append({"type": "message", "role": "assistant", "id": f"msg_{turn}", "status": "completed",
+                                  "content": [{"type": "output_text", "text": text(rng, 1, 25), "annotations": []}]})
+                else:
+                    items.append({"role": "assistant", "content": text(rng, 1, 25)})
+            calls = []
+            if with_tools and rng.random() < 0.5:
+                for k in range(rng.randint(1, 2)):
+                    cid = f"call_{turn}_{k}"
+                    if rng.random() < 0.2:
+                        items.append({"type": "custom_tool_call", "call_id": cid, "name": "apply_patch",
+                                      "input": text(rng, 0, 10)})
+                        calls.append((cid, "custom_tool_call_output"))
+                        continue
+                    call = {"type": "function_call", "call_id": cid, "name": rng.choice(["read_file", "run", "lookup"]),
+                            "arguments": rng.choice(['{"path": "src/main.rs"}', "", "{}", '{"cmd": ["ls", "-la"], "n": 3}',
+                                                     '{"path": "東京.txt"}'])}
+                    if call["name"] == "lookup":
+                        call["namespace"] = "crm"
+                    items.append(call)
+                    calls.append((cid, "function_call_output"))
+            for cid, kind in calls:
+                output = rng.choice([text(rng, 0, 15), [{"type": "input_text", "text": text(rng, 1, 10)}
+                                                        for _ in range(rng.randint(1, 2))]])
+                items.append({"type": kind, "call_id": cid, "output": output})
+            if rng.random() < 0.02:
+                items.append({"type": "item_reference", "id": "msg_0"})
+        if rng.random() < 0.1:
+            items.append({"type": "message", "role": "assistant", "id": "msg_last", "status": "incomplete",
+                          "content": [{"type": "output_text", "text": "Sure, " + text(rng, 1, 8).strip(),
+                                       "annotations": []}]})
+        else:
+            items.append({"role": "user", "content": text(rng, 1, 20)})
+        body["input"] = items
+    if with_tools and rng.random() < 0.7:
+        body["tools"] = TOOLS_RESPONSES + ([NAMESPACE_TOOL] if rng.random() < 0.5 else []) + \
+            ([{"type": "web_search"}] if rng.random() < 0.2 else [])
+    if rng.random() < 0.3:
+        body["reasoning"] = {"effort": rng.choice(["low", "high", "none", "minimal"])}
+    if rng.random() < 0.15:
+        body["chat_template_kwargs"] = {"enable_thinking": rng.random() < 0.5}
+    return body
+
+
 def ids_of(x):
     # transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True).
     if hasattr(x, "keys") and "input_ids" in x:
@@ -329,9 +423,11 @@ def main():
     from transformers import AutoTokenizer
     import copy
     import vllm_messages
+    import vllm_responses
     sources = vllm_sources()
     postprocess = vllm_postprocess(sources)
     anthropic = vllm_messages.load(sources)
+    openai_responses = vllm_responses.load(sources)
 
     parse = vllm_messages.chat_parser(sources)
     detect = vllm_messages.content_format_detector(sources)
@@ -397,6 +493,16 @@ def main():
             except Exception as e:  # the template refuses it: so must the sidecar
                 ids = None
             cases.append({"chat": True, "api": "messages", "body": body, "ids": ids})
+        for i in range(N // 2):
+            body = responses_body(rng, tools)
+            try:
+                msgs, tools_, kwargs, add, cont = openai_responses(copy.deepcopy(body))
+                ids = ids_of(tok.apply_chat_template(chat_view(msgs), tools=tools_, tokenize=True,
+                                                     add_generation_prompt=add, continue_final_message=cont,
+                                                     **kwargs))
+            except Exception:  # vLLM refuses it (400), or its template does: so must the sidecar
+                ids = None
+            cases.append({"chat": True, "api": "responses", "body": body, "ids": ids})
         for i in range(N // 5):
             prompt = text(rng, 0, 80)
             cases.append({"chat": False, "body": {"model": "m", "prompt": prompt},

@@ -5,7 +5,9 @@
 //! the lookup meets the engine's KV events block for block. When the sidecar cannot
 //! (no tokenizer for the model, a multimodal message, a template error), the request
 //! keeps its text chain and is routed by predicted residency, as without a body; each
-//! outcome is counted (`kvroute_precise_prompts_total`).
+//! outcome is counted (`kvroute_precise_prompts_total`). A Responses turn that continues a
+//! stored response (`previous_response_id`) keeps its text chain: its prompt begins with
+//! history only the engine that stored it holds, and its binding routes it there.
 //!
 //! Tokenizing costs about a millisecond per 4 KB of new text and holds many times its
 //! input in memory while it runs, and the text is the client's: a body over the largest
@@ -14,7 +16,7 @@
 //! flood of huge chats can neither turn the sidecar's routing into a CPU queue nor grow
 //! its memory past the budget's bound.
 
-use kvroute_shared::protocol::{PromptBody, RouteRequest};
+use kvroute_shared::protocol::{PromptApi, PromptBody, RouteRequest};
 use kvroute_shared::{Mode, Namespace};
 
 use crate::state::Sidecar;
@@ -43,6 +45,11 @@ fn tokens_of(
     req: &RouteRequest,
     body: &PromptBody,
 ) -> Result<RouteRequest, &'static str> {
+    // A continued response's prompt starts with a history only its engine holds (the
+    // response binding finds that engine); its new items alone chain nothing real.
+    if body.api == Some(PromptApi::Responses) && req.previous_response.is_some() {
+        return Err("continued_response");
+    }
     let toks = sc.tokenizers();
     let t = toks.get(&req.model).ok_or("no_tokenizer")?;
     let ids = t

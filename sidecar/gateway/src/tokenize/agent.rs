@@ -29,20 +29,20 @@ use super::{ModelTokenizer, TokenizeError};
 
 const BILLING: &str = kvroute_shared::canon::BILLING_HEADER;
 
-fn unsupported(what: &'static str) -> TokenizeError {
+pub(super) fn unsupported(what: &'static str) -> TokenizeError {
     TokenizeError::Unsupported(what)
 }
 
-fn bad(m: &str) -> TokenizeError {
+pub(super) fn bad(m: &str) -> TokenizeError {
     TokenizeError::BadRequest(m.to_owned())
 }
 
 /// `v[key]`, when present.
-fn attr(v: &Value, key: &str) -> Option<Value> {
+pub(super) fn attr(v: &Value, key: &str) -> Option<Value> {
     v.get_attr(key).ok().filter(|x| !x.is_undefined())
 }
 
-fn kind_of(v: &Value) -> Option<String> {
+pub(super) fn kind_of(v: &Value) -> Option<String> {
     attr(v, "type").and_then(|t| t.as_str().map(str::to_owned))
 }
 
@@ -51,12 +51,12 @@ fn truthy_str(v: Option<Value>) -> Option<Value> {
     v.filter(|x| x.as_str().is_some_and(|s| !s.is_empty()))
 }
 
-fn items(v: &Value) -> Result<Vec<Value>, TokenizeError> {
+pub(super) fn items(v: &Value) -> Result<Vec<Value>, TokenizeError> {
     Ok(v.try_iter().map_err(|e| bad(&e.to_string()))?.collect())
 }
 
 /// An ordered map (the template sees keys in this order, as in a Python dict).
-fn map(entries: Vec<(&str, Value)>) -> Value {
+pub(super) fn map(entries: Vec<(&str, Value)>) -> Value {
     entries
         .into_iter()
         .map(|(k, v)| (Value::from(k), v))

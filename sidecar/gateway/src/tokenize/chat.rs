@@ -29,8 +29,13 @@ impl ModelTokenizer {
             let content = m.get_attr("content").unwrap_or_default();
             if content.kind() == ValueKind::Seq {
                 for part in content.try_iter().map_err(|e| bad(&e.to_string()))? {
-                    if part.get_attr("type").ok().as_ref().and_then(|t| t.as_str()) != Some("text")
-                    {
+                    // vLLM's text part types (Responses items carry `input_text` and
+                    // `output_text`); anything else is media.
+                    let kind = part.get_attr("type").ok();
+                    if !matches!(
+                        kind.as_ref().and_then(|t| t.as_str()),
+                        Some("text" | "input_text" | "output_text" | "refusal" | "thinking")
+                    ) {
                         return Err(TokenizeError::Multimodal);
                     }
                 }

@@ -35,6 +35,7 @@ mod conversation;
 mod error;
 mod filters;
 mod pyvalue;
+mod responses;
 pub mod template;
 
 use std::collections::HashMap;
@@ -271,8 +272,8 @@ impl ModelTokenizer {
     }
 
     /// The token ids of a request's template fields from the API they were sent to:
-    /// Messages bodies are first made the chat request vLLM makes of them (`agent.rs`);
-    /// Responses bodies are not mirrored yet and keep their text chain.
+    /// Messages bodies are first made the chat request vLLM makes of them (`agent.rs`),
+    /// Responses bodies the chat messages (`responses.rs`).
     pub fn tokenize_api(
         &self,
         chat: bool,
@@ -284,15 +285,14 @@ impl ModelTokenizer {
             None | Some(PromptApi::Chat) | Some(PromptApi::Completions) => {
                 self.tokenize_json(chat, json)
             }
+            // Parsed once into the template's values, converted without copying text.
             Some(PromptApi::Messages) => {
-                // Parsed once into the template's values, converted without copying text.
                 let chat = self.messages_to_chat_value(&parse_body(json)?)?;
                 self.tokenize_value(true, &chat)
             }
-            Some(api) => {
-                let body: Value = serde_json::from_str(json)
-                    .map_err(|e| TokenizeError::BadRequest(e.to_string()))?;
-                self.tokenize_for(api, &body)
+            Some(PromptApi::Responses) => {
+                let chat = self.responses_to_chat_value(&parse_body(json)?)?;
+                self.tokenize_value(true, &chat)
             }
         }
     }
@@ -308,7 +308,10 @@ impl ModelTokenizer {
             PromptApi::Completions => self.tokenize_request(false, body),
             PromptApi::Chat => self.tokenize_request(true, body),
             PromptApi::Messages => self.tokenize_value(true, &self.messages_to_chat(body)?),
-            PromptApi::Responses => Err(TokenizeError::Unsupported("the Responses API")),
+            PromptApi::Responses => self.tokenize_value(
+                true,
+                &self.responses_to_chat_value(&minijinja::Value::from_serialize(body))?,
+            ),
         }
     }
 
