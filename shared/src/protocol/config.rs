@@ -120,7 +120,8 @@ pub struct PolicyConfig {
     /// Pods whose cost is within this much of the best (in blocks of prefill) are equals,
     /// and the request's tie key picks among them. Replicas that route concurrent cold
     /// requests before hearing of each other's decisions then spread them instead of all
-    /// sending them to the one pod that looks idlest (0 = strict argmin).
+    /// sending them to the one pod that looks idlest (0 = strict argmin). Only a request
+    /// choosing a home spreads; one with a home keeps its cache.
     pub near_tie_cost: f64,
     /// 0 = argmin; > 0 samples from softmax(−cost / temperature).
     pub temperature: f64,
