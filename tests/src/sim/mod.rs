@@ -380,6 +380,12 @@ impl Sim<'_> {
     }
 
     fn route(&mut self, i: usize, t: f64) -> Result<usize, RouteError> {
+        self.route_as(i, t, false)
+    }
+
+    /// [`Self::route`]; `passed_over`: a queued request whose tenant was passed over
+    /// (`admission::look`), which takes room wherever there is some.
+    fn route_as(&mut self, i: usize, t: f64, passed_over: bool) -> Result<usize, RouteError> {
         let r = &self.reqs[i];
         let g = i % self.gws.len();
         self.gw_of[i] = g;
@@ -415,7 +421,7 @@ impl Sim<'_> {
             .o
             .admission
             .as_ref()
-            .map(|a| a.headroom_for(a.class(i).0));
+            .map(|a| a.headroom_for(a.class(i).0).passed_over(passed_over));
         let routed = match &gate {
             Some(h) => sidecar::route_gated_with(&gw.sc, &req, now, gw.selector.as_mut(), h),
             None => sidecar::route_with(&gw.sc, &req, now, gw.selector.as_mut()),
@@ -507,9 +513,9 @@ impl Sim<'_> {
             .into_iter()
             .map(|(band, tenant, n)| ((band, tenant), n))
             .collect();
-        admission::look(&mut q, |e| {
+        admission::look(&mut q, |e, passed_over| {
             let i = e.item;
-            match self.route(i, now) {
+            match self.route_as(i, now, passed_over) {
                 Ok(k) => {
                     self.contested[i] = waiting
                         .iter()

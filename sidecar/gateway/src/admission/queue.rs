@@ -22,6 +22,15 @@ use std::time::{Duration, Instant};
 /// A queued request's handle.
 pub type Ticket = u64;
 
+/// Times a tenant's waiting requests are passed over by another tenant's before its next
+/// one takes room off its cache ([`AdmissionQueue::passed_over`]): once spilled every
+/// contested request of the light tenant at 10:1 (hit 0.855 → 0.819, against 0.831 at
+/// two), three left it 37% of the contested turns.
+pub const PASSED_TO_RELAX: u32 = 2;
+/// How many times more requests another waiting tenant must have had leave for one to
+/// count as behind.
+pub const BEHIND_FACTOR: u64 = 4;
+
 /// The queue's bounds, both hard: a request that would cross one is refused (or, if a
 /// lower band holds requests, the newest of the lowest band makes room for it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -86,6 +95,11 @@ struct Band<T> {
     tenants: HashMap<Arc<str>, VecDeque<Entry<T>>>,
     /// Tenants with requests, next to be served first; each appears once.
     turn: VecDeque<Arc<str>>,
+    /// Tenants whose first request waited (for room where its cache is) while another
+    /// tenant's request of the band left, since their last request left.
+    passed: HashMap<Arc<str>, u32>,
+    /// Requests each tenant with requests here has had leave since it last had none.
+    served: HashMap<Arc<str>, u64>,
     len: usize,
 }
 
@@ -94,6 +108,8 @@ impl<T> Default for Band<T> {
         Band {
             tenants: HashMap::new(),
             turn: VecDeque::new(),
+            passed: HashMap::new(),
+            served: HashMap::new(),
             len: 0,
         }
     }
@@ -287,11 +303,41 @@ impl<T> AdmissionQueue<T> {
         out
     }
 
+    /// Another tenant's request of `priority`'s band left while `tenant`'s waited.
+    pub fn note_passed(&mut self, priority: i32, tenant: &Arc<str>) {
+        if let Some(band) = self.bands.get_mut(&Reverse(priority)) {
+            if band.tenants.contains_key(tenant) {
+                *band.passed.entry(tenant.clone()).or_insert(0) += 1;
+            }
+        }
+    }
+
+    /// Whether `tenant` is behind in `priority`'s band: its requests were passed over
+    /// [`PASSED_TO_RELAX`] times since one of them last left, and another tenant waiting
+    /// there has had over [`BEHIND_FACTOR`] times as many leave. Its next one should
+    /// take room wherever there is some. Tenants of about equal volume are never behind
+    /// (the turns already share between them; relaxing them spilled prompts off their
+    /// caches, 0.855 → 0.78 hit rate with four equal tenants), nor is the one served most.
+    pub fn passed_over(&self, priority: i32, tenant: &str) -> bool {
+        let Some(b) = self.bands.get(&Reverse(priority)) else {
+            return false;
+        };
+        let mine = b.served.get(tenant).copied().unwrap_or(0);
+        b.passed.get(tenant).is_some_and(|&n| n >= PASSED_TO_RELAX)
+            && b.served.iter().any(|(t, &n)| {
+                &**t != tenant && n > BEHIND_FACTOR * mine && b.tenants.contains_key(t)
+            })
+    }
+
     /// Take a request out to dispatch it: its tenant's turn is used (it goes to the back
     /// of its band's turn), as with [`Self::pop`].
     pub fn take(&mut self, ticket: Ticket) -> Option<Entry<T>> {
         let e = self.cancel(ticket)?;
         if let Some(band) = self.bands.get_mut(&Reverse(e.priority)) {
+            band.passed.remove(&e.tenant);
+            if band.tenants.contains_key(&e.tenant) {
+                *band.served.entry(e.tenant.clone()).or_insert(0) += 1;
+            }
             if let Some(at) = band.turn.iter().position(|t| *t == e.tenant) {
                 if let Some(t) = band.turn.remove(at) {
                     band.turn.push_back(t);
@@ -312,6 +358,8 @@ impl<T> AdmissionQueue<T> {
         if fifo.is_empty() {
             band.tenants.remove(&tenant);
             band.turn.retain(|t| *t != tenant);
+            band.passed.remove(&tenant);
+            band.served.remove(&tenant);
         }
         band.len -= 1;
         if band.len == 0 {
@@ -431,6 +479,54 @@ mod tests {
         // Taking tenant a's first request moves a behind b.
         assert_eq!(q.take(1).map(|e| e.item), Some(1));
         assert_eq!(drain(&mut q), [4, 3, 2, 5]);
+    }
+
+    /// Through `look`: a light tenant whose request waits for its cache's pod while a
+    /// heavy tenant's leave is behind after being passed over twice, and then takes room
+    /// anywhere; equal tenants never are.
+    #[test]
+    fn a_tenant_passed_over_and_far_behind_takes_room_anywhere() {
+        let now = Instant::now();
+        let mut q1 = q(100, 1 << 20);
+        for i in 0..20 {
+            q1.push(arrival(0, "heavy", 1, i), now).expect("queued");
+        }
+        q1.push(arrival(0, "light", 1, 100), now).expect("queued");
+        // Every heavy request has room; the light one only when told it is behind.
+        let mut relaxed_light = 0;
+        for _ in 0..12 {
+            let left = crate::admission::look(&mut q1, |e, behind| {
+                if e.tenant.as_ref() == "light" {
+                    if behind {
+                        relaxed_light += 1;
+                        return crate::admission::Step::Leave(());
+                    }
+                    return crate::admission::Step::Wait;
+                }
+                crate::admission::Step::Leave(())
+            });
+            if left.iter().any(|(e, _)| e.tenant.as_ref() == "light") {
+                break;
+            }
+        }
+        assert_eq!(
+            relaxed_light, 1,
+            "the light request left once it was behind"
+        );
+        assert!(!q1.passed_over(0, "light"), "it left: its count is gone");
+        // Two tenants of equal volume: passed over, but not behind.
+        let mut q2 = q(100, 1 << 20);
+        for i in 0..6 {
+            q2.push(arrival(0, "a", 1, i), now).expect("queued");
+            q2.push(arrival(0, "b", 1, 10 + i), now).expect("queued");
+        }
+        for _ in 0..3 {
+            let t = q2.order(1)[0];
+            q2.take(t);
+        }
+        q2.note_passed(0, &Arc::from("a"));
+        q2.note_passed(0, &Arc::from("a"));
+        assert!(!q2.passed_over(0, "a"));
     }
 
     #[test]

@@ -398,11 +398,11 @@ impl Waiting {
                 }
                 let top = top_priority(a);
                 let h = headroom(a);
-                let left = look(&mut q, |e| {
+                let left = look(&mut q, |e, passed_over| {
                     if e.item.claim.as_ref().is_none_or(|c| c.is_closed()) {
                         return Step::Wait;
                     }
-                    let gate = h.for_band(e.priority >= top);
+                    let gate = h.for_band(e.priority >= top).passed_over(passed_over);
                     match route::route_gated(sc, &e.item.req, None, &gate) {
                         Err(RouteError::Saturated) => Step::Wait,
                         Ok(r) => Step::Leave(Verdict::Routed(r)),
