@@ -87,6 +87,23 @@ def messages_session(s):
              "content": [{"type": "text", "text": "pub fn main() {} // " + "line of code " * 20}]}]})
 
 
+def create_response(kw, stream):
+    """One `responses.create`, streamed or not: the pod that served it (`x-pod`), the
+    response, and the cached tokens its usage reports."""
+    if stream:
+        raw = oai.responses.with_raw_response.create(stream=True, **kw)
+        resp = None
+        for ev in raw.parse():
+            if ev.type == "response.completed":
+                resp = ev.response
+    else:
+        raw = oai.responses.with_raw_response.create(**kw)
+        resp = raw.parse()
+    u = resp.usage
+    cached = u.input_tokens_details.cached_tokens if u.input_tokens_details else 0
+    return raw.headers.get("x-pod", ""), resp, cached
+
+
 def responses_session(s):
     key = f"{phase}-{s}"
     prev = state.get(str(s))
@@ -97,20 +114,8 @@ def responses_session(s):
                   prompt_cache_key=f"codex-{s}")
         if prev:
             kw["previous_response_id"] = prev
-        if t % 2:
-            raw = oai.responses.with_raw_response.create(stream=True, **kw)
-            pod = raw.headers.get("x-pod", "")
-            final = None
-            for ev in raw.parse():
-                if ev.type == "response.completed":
-                    final = ev.response
-            resp = final
-        else:
-            raw = oai.responses.with_raw_response.create(**kw)
-            pod = raw.headers.get("x-pod", "")
-            resp = raw.parse()
+        pod, resp, cached = create_response(kw, stream=bool(t % 2))
         u = resp.usage
-        cached = u.input_tokens_details.cached_tokens if u.input_tokens_details else 0
         print(json.dumps({"api": "responses", "session": s, "turn": t, "pod": pod, "key": key,
                           "prompt_tokens": u.input_tokens, "cached_tokens": cached,
                           "continued": prev is not None}), flush=True)
@@ -131,19 +136,8 @@ def responses_full_session(s):
         kw = dict(model="m", max_output_tokens=8, input=items, store=False, tools=FUNCTIONS,
                   reasoning={"effort": "low"}, prompt_cache_key=f"codex-full-{s}",
                   instructions="You are Codex, a coding agent. " + "Be precise and terse. " * 30)
-        if t % 2:
-            raw = oai.responses.with_raw_response.create(stream=True, **kw)
-            pod = raw.headers.get("x-pod", "")
-            resp = None
-            for ev in raw.parse():
-                if ev.type == "response.completed":
-                    resp = ev.response
-        else:
-            raw = oai.responses.with_raw_response.create(**kw)
-            pod = raw.headers.get("x-pod", "")
-            resp = raw.parse()
+        pod, resp, cached = create_response(kw, stream=bool(t % 2))
         u = resp.usage
-        cached = u.input_tokens_details.cached_tokens if u.input_tokens_details else 0
         print(json.dumps({"api": "responses_full", "session": s, "turn": t, "pod": pod,
                           "prompt_tokens": u.input_tokens, "cached_tokens": cached}), flush=True)
         # The agent's reply and a tool call with its output, resent with the next turn.

@@ -410,28 +410,10 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    use serde_json::Value as J;
+    use super::super::testkit::{arb_json, printing_tokenizer};
 
-    fn arb_json() -> impl Strategy<Value = J> {
-        let leaf = prop_oneof![
-            Just(J::Null),
-            any::<bool>().prop_map(J::from),
-            any::<i64>().prop_map(J::from),
-            "(text|image|tool_use|tool_result|thinking|system|user|assistant|x-anthropic-billing-header|.{0,6})"
-                .prop_map(J::from),
-        ];
-        leaf.prop_recursive(4, 48, 6, |inner| {
-            prop_oneof![
-                proptest::collection::vec(inner.clone(), 0..5).prop_map(J::Array),
-                proptest::collection::btree_map(
-                    "(type|text|role|content|messages|system|tools|name|input|input_schema|id|tool_use_id|thinking|source|thinking|output_config|effort|chat_template_kwargs)",
-                    inner,
-                    0..6
-                )
-                .prop_map(|m| J::Object(m.into_iter().collect())),
-            ]
-        })
-    }
+    const WORDS: &str = "(text|image|tool_use|tool_result|thinking|system|user|assistant|x-anthropic-billing-header|.{0,6})";
+    const KEYS: &str = "(type|text|role|content|messages|system|tools|name|input|input_schema|id|tool_use_id|thinking|source|thinking|output_config|effort|chat_template_kwargs)";
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(2000))]
@@ -439,22 +421,8 @@ mod tests {
         /// Any JSON a client sends to /v1/messages: converted or refused, never a panic,
         /// and a conversion is always a chat body with a message list.
         #[test]
-        fn hostile_messages_bodies_are_converted_or_refused(body in arb_json()) {
-            static T: std::sync::OnceLock<Option<ModelTokenizer>> = std::sync::OnceLock::new();
-            let t = T.get_or_init(|| {
-                // A word-level tokenizer and a template that prints every message.
-                let dir = std::env::temp_dir().join(format!("kvroute-agent-{}", std::process::id()));
-                std::fs::create_dir_all(&dir).ok()?;
-                let tj = json!({"version": "1.0", "truncation": null, "padding": null,
-                    "added_tokens": [], "normalizer": null, "pre_tokenizer": {"type": "Whitespace"},
-                    "post_processor": null, "decoder": null,
-                    "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "a": 1}, "unk_token": "[UNK]"}});
-                std::fs::write(dir.join("tokenizer.json"), tj.to_string()).ok()?;
-                let tpl = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}";
-                std::fs::write(dir.join("tokenizer_config.json"), json!({"chat_template": tpl}).to_string()).ok()?;
-                ModelTokenizer::load(&dir, 1 << 20).ok()
-            });
-            let t = t.as_ref().expect("the test tokenizer loads");
+        fn hostile_messages_bodies_are_converted_or_refused(body in arb_json(WORDS, KEYS)) {
+            let t = printing_tokenizer();
             if let Ok(chat) = t.messages_to_chat(&body) {
                 prop_assert_eq!(chat.get_attr("messages").map(|m| m.kind()).ok(), Some(ValueKind::Seq));
                 let _ = t.tokenize_value(true, &chat);

@@ -37,6 +37,8 @@ mod filters;
 mod pyvalue;
 mod responses;
 pub mod template;
+#[cfg(test)]
+mod testkit;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -364,47 +364,13 @@ mod tests {
     use proptest::prelude::*;
     use serde_json::{json, Value as J};
 
-    fn arb_json() -> impl Strategy<Value = J> {
-        let leaf = prop_oneof![
-            Just(J::Null),
-            any::<bool>().prop_map(J::from),
-            any::<i64>().prop_map(J::from),
-            "(message|function_call|function_call_output|custom_tool_call|custom_tool_call_output|reasoning|function|namespace|custom|user|assistant|developer|incomplete|in_progress|input_text|output_text|.{0,6})"
-                .prop_map(J::from),
-        ];
-        leaf.prop_recursive(4, 48, 6, |inner| {
-            prop_oneof![
-                proptest::collection::vec(inner.clone(), 0..5).prop_map(J::Array),
-                proptest::collection::btree_map(
-                    "(type|role|content|text|input|instructions|tools|name|namespace|call_id|arguments|output|summary|encrypted_content|status|parameters|reasoning|effort|chat_template_kwargs)",
-                    inner,
-                    0..6
-                )
-                .prop_map(|m| J::Object(m.into_iter().collect())),
-            ]
-        })
-    }
+    use super::super::testkit::{arb_json, printing_tokenizer};
+
+    const WORDS: &str = "(message|function_call|function_call_output|custom_tool_call|custom_tool_call_output|reasoning|function|namespace|custom|user|assistant|developer|incomplete|in_progress|input_text|output_text|.{0,6})";
+    const KEYS: &str = "(type|role|content|text|input|instructions|tools|name|namespace|call_id|arguments|output|summary|encrypted_content|status|parameters|reasoning|effort|chat_template_kwargs)";
 
     fn tokenizer() -> &'static ModelTokenizer {
-        static T: std::sync::OnceLock<Option<ModelTokenizer>> = std::sync::OnceLock::new();
-        T.get_or_init(|| {
-            let dir = std::env::temp_dir().join(format!("kvroute-resp-{}", std::process::id()));
-            std::fs::create_dir_all(&dir).ok()?;
-            let tj = json!({"version": "1.0", "truncation": null, "padding": null,
-                "added_tokens": [], "normalizer": null, "pre_tokenizer": {"type": "Whitespace"},
-                "post_processor": null, "decoder": null,
-                "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "a": 1}, "unk_token": "[UNK]"}});
-            std::fs::write(dir.join("tokenizer.json"), tj.to_string()).ok()?;
-            let tpl = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}";
-            std::fs::write(
-                dir.join("tokenizer_config.json"),
-                json!({"chat_template": tpl}).to_string(),
-            )
-            .ok()?;
-            ModelTokenizer::load(&dir, 1 << 20).ok()
-        })
-        .as_ref()
-        .expect("the test tokenizer loads")
+        printing_tokenizer()
     }
 
     proptest! {
@@ -413,7 +379,7 @@ mod tests {
         /// Any JSON a client sends to /v1/responses: converted or refused, never a panic,
         /// and a conversion is always a chat body with a message list.
         #[test]
-        fn hostile_responses_bodies_are_converted_or_refused(body in arb_json(), input in arb_json()) {
+        fn hostile_responses_bodies_are_converted_or_refused(body in arb_json(WORDS, KEYS), input in arb_json(WORDS, KEYS)) {
             let t = tokenizer();
             for b in [body.clone(), json!({"input": input, "tools": body})] {
                 if let Ok(chat) = t.responses_to_chat(&b) {
