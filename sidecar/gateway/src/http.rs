@@ -324,18 +324,22 @@ fn route_answer(
 
 /// `429` for a request admission will not route, with when to try again.
 fn refused(cfg: &PolicyConfig, why: Shed) -> Response {
-    let retry = cfg.admission.retry_after_s;
-    let body = json!({
-        "error": format!("the model is saturated and the request was not queued or left the queue ({})", why.label()),
-        "reason": why.label(),
-        "retry_after_s": retry,
-    });
-    (
+    retry_later(
         StatusCode::TOO_MANY_REQUESTS,
-        [("retry-after", retry.to_string())],
-        Json(body),
+        why.label(),
+        format!(
+            "the model is saturated and the request was not queued or left the queue ({})",
+            why.label()
+        ),
+        cfg.admission.retry_after_s,
     )
-        .into_response()
+}
+
+/// An answer the filter relays to the client: the stable `reason`, and when to try
+/// again in the body and in `Retry-After`.
+fn retry_later(status: StatusCode, reason: &str, msg: String, retry: u32) -> Response {
+    let body = json!({"error": msg, "reason": reason, "retry_after_s": retry});
+    (status, [("retry-after", retry.to_string())], Json(body)).into_response()
 }
 
 /// `POST /v1/route/cancel` (same body as the wait call): the client of a queued
@@ -420,19 +424,10 @@ fn decode_route(sc: &Sidecar, binary: bool, body: &[u8]) -> Result<RouteRequest,
 fn answer(r: Result<RouteResponse, RouteError>) -> Response {
     match r {
         Ok(resp) => Json(resp).into_response(),
-        // An answer for the client (the filter relays it): with when to try again.
-        Err(e) if e.retry_after_s().is_some() => {
-            let retry = e.retry_after_s().unwrap_or_default();
-            let body =
-                json!({"error": e.to_string(), "reason": e.reason(), "retry_after_s": retry});
-            (
-                status_of(e.status()),
-                [("retry-after", retry.to_string())],
-                Json(body),
-            )
-                .into_response()
-        }
-        Err(e) => err(status_of(e.status()), e.reason(), e),
+        Err(e) => match e.retry_after_s() {
+            Some(retry) => retry_later(status_of(e.status()), e.reason(), e.to_string(), retry),
+            None => err(status_of(e.status()), e.reason(), e),
+        },
     }
 }
 
