@@ -7,6 +7,9 @@
 //! `reject`, `rejectattr`, `map`, `items`): their result is lazy, so it is true in an
 //! `if` even when it would yield nothing, has no length and no last item, and an input
 //! they cannot go through fails only where the result is iterated, not where it is made.
+//! Python's `iter()` refuses None where minijinja iterates it as empty, so every filter
+//! that iterates its input in Jinja2 (and every `for` loop, `template.rs`) refuses it
+//! first ([`not_none`]); `sequence` is Python's "has a length and items".
 //! Each is proven against Jinja2 by `tests/tests/template_fidelity.rs`.
 
 use std::borrow::Cow;
@@ -41,6 +44,38 @@ pub fn add(env: &mut Environment<'static>) {
             .map_err(|e| Error::new(ErrorKind::InvalidOperation, e))
     });
     env.add_test("iterable", iterable);
+    env.add_test("sequence", sequence);
+    env.add_filter("reverse", |v: Value| {
+        not_none(&v)?;
+        minijinja::filters::reverse(&v)
+    });
+    env.add_filter("sum", |state: &State, v: Value| {
+        not_none(&v)?;
+        minijinja::filters::sum(state, v)
+    });
+    env.add_filter("min", |state: &State, v: Value| {
+        not_none(&v)?;
+        minijinja::filters::min(state, v)
+    });
+    env.add_filter("max", |state: &State, v: Value| {
+        not_none(&v)?;
+        minijinja::filters::max(state, v)
+    });
+    env.add_filter("sort", |state: &State, v: Value, kwargs: Kwargs| {
+        not_none(&v)?;
+        minijinja::filters::sort(state, v, kwargs)
+    });
+    env.add_filter("unique", |state: &State, v: Value, kwargs: Kwargs| {
+        not_none(&v)?;
+        minijinja::filters::unique(state, v, kwargs)
+    });
+    env.add_filter(
+        "batch",
+        |state: &State, v: Value, count: usize, fill: Option<Value>| {
+            not_none(&v)?;
+            minijinja::filters::batch(state, v, count, fill)
+        },
+    );
     env.add_filter("list", list);
     env.add_filter("items", |v: Value| {
         Generator::made(&v, || match v.kind() {
@@ -146,6 +181,7 @@ impl Object for Generator {
 
 /// Jinja2's `list`: Python's `list()`, which runs a generator (and raises its error).
 fn list(state: &State, v: Value) -> Result<Value, Error> {
+    not_none(&v)?;
     Generator::check(&v)?;
     match Generator::of(&v) {
         Some(Ok(items)) => Ok(Value::from(items.clone())),
@@ -178,6 +214,7 @@ fn join(v: Value, d: Option<String>, kwargs: Kwargs) -> Result<String, Error> {
     if v.is_undefined() {
         return Ok(String::new());
     }
+    not_none(&v)?;
     Generator::check(&v)?;
     let items = v.try_iter()?;
     let mut out = String::new();
@@ -320,6 +357,30 @@ fn py_float(s: &str) -> Option<f64> {
 /// Jinja2's `iterable` test (`iter(v)` succeeds): strings, lists, dicts and undefined
 /// values (Jinja2's `Undefined` iterates as empty); not None, numbers or booleans, which
 /// minijinja would iterate as empty.
+/// Python's `iter(None)`: a `TypeError`, where minijinja iterates `none` as empty.
+pub(super) fn not_none(v: &Value) -> Result<(), Error> {
+    if v.is_none() {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            "'NoneType' object is not iterable",
+        ));
+    }
+    Ok(())
+}
+
+/// Jinja2's `sequence` test: `len(value)` and `value.__getitem__` both exist, so strings,
+/// lists, maps and an undefined value are sequences; None, numbers, booleans and the
+/// generator filters' results are not.
+fn sequence(v: Value) -> bool {
+    use minijinja::value::ValueKind;
+    match v.kind() {
+        ValueKind::Undefined | ValueKind::String | ValueKind::Seq | ValueKind::Map => {
+            !is_generator(&v)
+        }
+        _ => false,
+    }
+}
+
 fn iterable(v: Value) -> bool {
     use minijinja::value::ValueKind;
     match v.kind() {

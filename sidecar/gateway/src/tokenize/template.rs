@@ -6,7 +6,9 @@
 //! (`", "` and `": "` separators, insertion order, `indent`, `sort_keys`), which is not
 //! minijinja's compact HTML-safe `tojson`. Values print as Python's `str()` prints them
 //! (`pyvalue.rs`), the filters that differ are Jinja2's (`filters.rs`), and the source is
-//! read as Jinja2's lexer reads it (newlines, transformers' `generation` tag).
+//! read as Jinja2's lexer reads it (newlines, transformers' `generation` tag), with every
+//! `for` loop's iterable passed through a check that fails on `none` as Python's `iter()`
+//! does (minijinja iterates `none` as empty, hard-wired in its `Value::try_iter`).
 //!
 //! Whitespace is Python's: `str.strip`/`lstrip`/`rstrip`/`split()`/`isspace` and Jinja's
 //! `trim` filter count U+001C–U+001F as whitespace (Python's `str.isspace`), which Rust's
@@ -48,6 +50,7 @@ fn environment_at(
     env.add_filter("trim", trim);
     filters::add(&mut env);
     env.add_function("raise_exception", raise_exception);
+    env.add_function(ITERABLE, iterable);
     env.add_function("strftime_now", move |format: String| {
         strftime(clock.unwrap_or_else(chrono::Local::now), &format)
     });
@@ -68,7 +71,113 @@ fn jinja_source(source: String) -> String {
     if s.contains("generation") {
         s = generation_blocks(&s);
     }
+    if s.contains("for") {
+        s = checked_loops(s);
+    }
     s
+}
+
+/// The function [`checked_loops`] wraps every loop's iterable in: a name no template uses.
+const ITERABLE: &str = "__kvroute_iterable";
+
+/// A `for` loop's iterable as Jinja2 takes it: `none` raises (Python's `TypeError:
+/// 'NoneType' object is not iterable`); a string becomes the list of its characters, so
+/// `loop.length` and `loop.revindex` know its length as Python's `len()` does (minijinja's
+/// loop over a string does not); undefined, lists, maps and the lazy filters' generators
+/// go on to minijinja's loop, which iterates them as Jinja2 does.
+fn iterable(v: Value) -> Result<Value, Error> {
+    filters::not_none(&v)?;
+    Ok(match v.as_str() {
+        Some(s) => Value::from(s.chars().map(Value::from).collect::<Vec<_>>()),
+        None => v,
+    })
+}
+
+/// `{% for T in ITER [if C] [recursive] %}` → `{% for T in __kvroute_iterable((ITER)) … %}`.
+/// The iterable is found with minijinja's own lexer (strings, comments and raw blocks
+/// are its business, not a text search's): it runs from the token after the first `in`
+/// at bracket depth 0 to the last token before a depth-0 `if` or `recursive` or the end
+/// of the tag, which is where minijinja's parser ends it too (`parse_expr_noif`). It is
+/// wrapped in a second pair of parentheses, which makes a bare tuple (`for x in a, b`,
+/// Jinja2's but not minijinja's syntax) the one argument it is in Jinja2. A source the
+/// lexer refuses is returned unchanged for the compiler to refuse with its own message.
+fn checked_loops(s: String) -> String {
+    let spans = match loop_iterables(&s) {
+        Some(spans) if !spans.is_empty() => spans,
+        _ => return s,
+    };
+    let mut out = String::with_capacity(s.len() + spans.len() * (ITERABLE.len() + 4));
+    let mut last = 0;
+    for (from, to) in spans {
+        out.push_str(&s[last..from]);
+        out.push_str(ITERABLE);
+        out.push_str("((");
+        out.push_str(&s[from..to]);
+        out.push_str("))");
+        last = to;
+    }
+    out.push_str(&s[last..]);
+    out
+}
+
+/// The byte ranges of the iterables [`checked_loops`] wraps, in order; `None` when the
+/// lexer refuses the source.
+fn loop_iterables(s: &str) -> Option<Vec<(usize, usize)>> {
+    use minijinja::machinery::{tokenize, Token, WhitespaceConfig};
+    use minijinja::syntax::SyntaxConfig;
+
+    #[derive(PartialEq)]
+    enum At {
+        Outside,
+        TagStart,
+        Target,
+        Iter,
+        Rest,
+    }
+    let mut spans = Vec::new();
+    let (mut at, mut depth) = (At::Outside, 0usize);
+    let (mut start, mut end) = (0usize, 0usize);
+    // A unit struct here, but not where a crate turns on minijinja's `custom_syntax`.
+    #[allow(clippy::default_constructed_unit_structs)]
+    let syntax = SyntaxConfig::default();
+    for tok in tokenize(s, false, syntax, WhitespaceConfig::default()) {
+        let (tok, span) = tok.ok()?;
+        let (from, to) = (span.start_offset as usize, span.end_offset as usize);
+        match tok {
+            Token::ParenOpen | Token::BracketOpen | Token::BraceOpen => depth += 1,
+            Token::ParenClose | Token::BracketClose | Token::BraceClose => {
+                depth = depth.saturating_sub(1)
+            }
+            _ => {}
+        }
+        let top = depth == 0;
+        at = match (at, &tok) {
+            (_, Token::BlockStart) => At::TagStart,
+            (At::TagStart, Token::Ident("for")) => At::Target,
+            (At::Target, Token::Ident("in")) if top => {
+                start = usize::MAX;
+                At::Iter
+            }
+            (At::Target, _) => At::Target,
+            (At::Iter, Token::Ident("if" | "recursive") | Token::BlockEnd) if top => {
+                if start < end {
+                    spans.push((start, end));
+                }
+                At::Rest
+            }
+            (At::Iter, _) => {
+                if start == usize::MAX {
+                    start = from;
+                }
+                end = to;
+                At::Iter
+            }
+            (_, Token::BlockEnd) => At::Outside,
+            (At::Rest, _) => At::Rest,
+            _ => At::Outside,
+        };
+    }
+    Some(spans)
 }
 
 /// `{%-? generation -?%}` → `{%-? if true -?%}`, `endgeneration` → `endif`.
@@ -579,6 +688,93 @@ mod tests {
             .as_deref(),
             Ok("1.5e-07|[1e+21]")
         );
+    }
+
+    /// Each expectation is what Jinja2 3.1 under transformers does with the same source.
+    #[test]
+    fn a_loop_over_none_raises_as_in_jinja2() {
+        let ctx = r#"{"n": null, "l": [1, 2], "m": [{"c": null}], "s": "ab", "d": {"k": 1}}"#;
+        let ours = |src: &str| render_source(src, ctx, None).map_err(|e| e.to_string());
+        // None raises, wherever the loop is and whatever follows its iterable.
+        for src in [
+            "{% for x in n %}{{ x }}{% endfor %}",
+            "{%- for x in n if x -%}{{ x }}{%- else -%}e{%- endfor %}",
+            "{% for m in m %}{% for x in m.c %}{% endfor %}{% endfor %}",
+            "{% for x in l %}{% endfor %}{% for x in (n) recursive %}{% endfor %}",
+        ] {
+            let e = ours(src).expect_err(src);
+            assert!(e.contains("not iterable"), "{src}: {e}");
+        }
+        // Everything else iterates as before: undefined is empty, a tuple target, a
+        // filtered and conditional iterable, a string, a map, brackets inside the iterable,
+        // a `for` and `in` that are only text, strings that look like tags.
+        let same = [
+            ("{% for x in missing %}{{ x }}{% else %}e{% endfor %}", "e"),
+            (
+                "{% for k, v in d.items() %}{{ k }}={{ v }}{% endfor %}",
+                "k=1",
+            ),
+            (
+                "{% for x in l | reverse if x > 1 %}{{ x }}{% endfor %}",
+                "2",
+            ),
+            (
+                "{% for c in s %}{{ loop.revindex }}{{ c }}{% endfor %}",
+                "2a1b",
+            ),
+            ("{% for k in d %}{{ k }}{% endfor %}", "k"),
+            (
+                "{% for x in [l[0], (l[1] if n else 3)] %}{{ x }}{% endfor %}",
+                "13",
+            ),
+            (
+                "for x in n {{ 'for x in n' }}{# {% for x in n %} #}",
+                "for x in n for x in n",
+            ),
+            (
+                "{% raw %}{% for x in n %}{% endraw %}ok",
+                "{% for x in n %}ok",
+            ),
+            ("{% for x in 1, 2 %}{{ x }}{% endfor %}", "12"),
+        ];
+        for (src, want) in same {
+            assert_eq!(ours(src).as_deref(), Ok(want), "{src}");
+        }
+    }
+
+    /// Jinja2's filters that iterate their input raise on None, as Python's `iter()` does;
+    /// `sequence` is Python's (each expectation is Jinja2 3.1's under transformers).
+    #[test]
+    fn filters_that_iterate_refuse_none_as_jinja2s_do() {
+        let ours =
+            |src: &str| render_source(src, r#"{"l": [1, 2]}"#, None).map_err(|e| e.to_string());
+        for f in [
+            "list",
+            "reverse",
+            "join",
+            "unique | list",
+            "sort",
+            "batch(2) | list",
+            "sum",
+            "min",
+            "max",
+        ] {
+            let src = format!("{{{{ none | {f} }}}}");
+            assert!(ours(&src).is_err(), "{src}");
+        }
+        let same = [
+            ("{{ missing | reverse | list }}", "[]"),
+            ("{{ missing | join }}|{{ missing | list }}", "|[]"),
+            ("{{ l | reverse | list }}{{ l | sum }}{{ l | max }}", "[2, 1]32"),
+            (
+                "{{ missing is sequence }} {{ {} is sequence }} {{ 's' is sequence }} {{ l is sequence }}",
+                "True True True True",
+            ),
+            ("{{ none is sequence }} {{ 1 is sequence }} {{ (l | select) is sequence }}", "False False False"),
+        ];
+        for (src, want) in same {
+            assert_eq!(ours(src).as_deref(), Ok(want), "{src}");
+        }
     }
 
     #[test]
