@@ -47,17 +47,9 @@ fn map(entries: Vec<(&str, Value)>) -> Value {
 }
 
 impl ModelTokenizer {
-    /// The template's content format, decided once.
+    /// The template's content format, decided at load from its source as written.
     pub fn content_format(&self) -> ContentFormat {
-        *self.content_format.get_or_init(|| {
-            let source = self
-                .env
-                .as_ref()
-                .and_then(|e| e.get_template(super::template::NAME).ok())
-                .map(|t| t.source().to_owned())
-                .unwrap_or_default();
-            content_format_of(&source)
-        })
+        self.content_format
     }
 }
 

@@ -79,8 +79,10 @@ pub struct ModelTokenizer {
     /// vLLM's probes of the template for Messages requests (`agent.rs`), once each.
     merge_inline_system: std::sync::OnceLock<bool>,
     disabled_effort: std::sync::OnceLock<&'static str>,
-    /// How the template reads `content` (`conversation.rs`), decided once.
-    content_format: std::sync::OnceLock<ContentFormat>,
+    /// How the template reads `content` (`conversation.rs`), decided from its source as
+    /// written (the environment holds the source after `template.rs`'s pre-passes, whose
+    /// loop wrappers vLLM never sees).
+    content_format: ContentFormat,
 }
 
 /// One piece of text between added tokens.
@@ -136,6 +138,9 @@ impl ModelTokenizer {
             },
         };
         let template = source.as_ref().map(|(from, s)| template_id(from, s));
+        let content_format = source.as_ref().map_or(ContentFormat::String, |(_, s)| {
+            conversation::content_format_of(s)
+        });
         let env = source
             .map(|(_, s)| template::environment(s))
             .transpose()
@@ -155,7 +160,7 @@ impl ModelTokenizer {
             cache: SegmentCache::new(cache_bytes),
             merge_inline_system: std::sync::OnceLock::new(),
             disabled_effort: std::sync::OnceLock::new(),
-            content_format: std::sync::OnceLock::new(),
+            content_format,
         })
     }
 
@@ -231,10 +236,10 @@ impl ModelTokenizer {
     pub fn with_chat_template(mut self, file: &Path) -> Result<ModelTokenizer, TokenizeError> {
         let source = std::fs::read_to_string(file).map_err(|e| load_err(file, e))?;
         self.template = Some(template_id(&file.display().to_string(), &source));
+        self.content_format = conversation::content_format_of(&source);
         self.env = Some(template::environment(source).map_err(|e| load_err(file, e))?);
         self.merge_inline_system = std::sync::OnceLock::new();
         self.disabled_effort = std::sync::OnceLock::new();
-        self.content_format = std::sync::OnceLock::new();
         Ok(self)
     }
 
