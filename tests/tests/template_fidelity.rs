@@ -8,7 +8,7 @@
 //! over generated conversations as vLLM's chat parser hands them to the template, and
 //! small random templates from Jinja2's grammar over random contexts. A fixed budget
 //! runs here; `KVROUTE_JINJA_CHATS` / `KVROUTE_JINJA_FUZZ` make a longer run print its
-//! counts.
+//! counts, and `KVROUTE_JINJA_SHOW=N` prints its first N differences.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -47,6 +47,10 @@ fn cases() -> &'static Vec<Value> {
 fn compare(corpus: &str) -> (BTreeMap<String, (usize, usize)>, Vec<String>) {
     let mut per = BTreeMap::new();
     let mut diffs = Vec::new();
+    let show: usize = std::env::var("KVROUTE_JINJA_SHOW")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
     for t in cases().iter().filter(|t| t["corpus"] == corpus) {
         let name = t["name"].as_str().unwrap_or_default().to_string();
         let source = t["source"].as_str().unwrap_or_default();
@@ -61,7 +65,7 @@ fn compare(corpus: &str) -> (BTreeMap<String, (usize, usize)>, Vec<String>) {
             };
             if ok {
                 same += 1;
-            } else if diffs.len() < 40 {
+            } else if diffs.len() < show.max(40) {
                 let (want, got) = match (&ours, c["out"].as_str()) {
                     (Ok(o), Some(w)) => around_first_difference(w, o),
                     (Ok(o), None) => (format!("raises {}", c["err"]), cut(o, 0)),
@@ -117,6 +121,12 @@ fn report(corpus: &str, floor: usize) {
         "{corpus}: {same}/{total} identical over {} templates",
         per.len()
     );
+    if let Ok(n) = std::env::var("KVROUTE_JINJA_SHOW") {
+        let n = n.parse().unwrap_or(0);
+        for d in diffs.iter().take(n) {
+            println!("{d}\n");
+        }
+    }
     assert!(total > 0 && per.len() > 1, "no cases");
     assert!(
         same * 100 >= total * floor,

@@ -44,6 +44,13 @@ pub fn add(env: &mut Environment<'static>) {
             .map_err(|e| Error::new(ErrorKind::InvalidOperation, e))
     });
     env.add_test("iterable", iterable);
+    // Python's `bool` is a `Number`: `true is number` holds in Jinja2.
+    env.add_test("number", |v: Value| {
+        matches!(
+            v.kind(),
+            minijinja::value::ValueKind::Number | minijinja::value::ValueKind::Bool
+        )
+    });
     env.add_test("sequence", sequence);
     env.add_filter("reverse", |v: Value| {
         not_none(&v)?;
@@ -189,6 +196,11 @@ fn list(state: &State, v: Value) -> Result<Value, Error> {
     }
 }
 
+/// The error iterating `v` raises, when it is a generator filter's failed result.
+pub(super) fn check_generator(v: &Value) -> Result<(), Error> {
+    Generator::check(v)
+}
+
 /// Whether `v` is what a Jinja2 generator filter returned.
 pub(super) fn is_generator(v: &Value) -> bool {
     Generator::of(v).is_some()
@@ -301,18 +313,25 @@ fn end_item(v: Value, first: bool) -> Result<Value, Error> {
 }
 
 /// Jinja2's `float(default=0.0)`: Python's `float()` of the value, the default when that
-/// fails (a string that is no number, a list, None).
-fn to_float(v: Value, default: Option<Value>) -> Value {
+/// fails (a string that is no number, a list, None); an undefined value raises, as
+/// `float(Undefined)` does.
+fn to_float(v: Value, default: Option<Value>) -> Result<Value, Error> {
+    if v.is_undefined() {
+        return Err(Error::new(ErrorKind::UndefinedError, "undefined value"));
+    }
     let parsed = match v.as_str() {
         Some(s) => py_float(s),
         None => pyvalue::real(&v),
     };
-    parsed.map_or_else(|| default.unwrap_or(Value::from(0.0)), Value::from)
+    Ok(parsed.map_or_else(|| default.unwrap_or(Value::from(0.0)), Value::from))
 }
 
 /// Jinja2's `int(default=0, base=10)`: `int()` of the value, else of its `float()`, else
-/// the default. (Only base 10; another base is refused.)
+/// the default; an undefined value raises. (Only base 10; another base is refused.)
 fn to_int(v: Value, default: Option<Value>, base: Option<i64>) -> Result<Value, Error> {
+    if v.is_undefined() {
+        return Err(Error::new(ErrorKind::UndefinedError, "undefined value"));
+    }
     if base.is_some_and(|b| b != 10) {
         return Err(Error::new(ErrorKind::InvalidOperation, "int: only base 10"));
     }

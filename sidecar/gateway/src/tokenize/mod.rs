@@ -34,6 +34,7 @@ mod chat;
 mod conversation;
 mod error;
 mod filters;
+mod pyops;
 mod pyvalue;
 mod responses;
 pub mod template;
@@ -69,7 +70,7 @@ struct Splitter {
 pub struct ModelTokenizer {
     dir: PathBuf,
     tok: tokenizers::Tokenizer,
-    env: Option<minijinja::Environment<'static>>,
+    env: Option<template::ChatTemplate>,
     /// Which template `env` renders: where it came from and its text's sha256, so an
     /// operator can tell which template a disagreeing model runs.
     template: Option<Arc<str>>,

@@ -17,15 +17,41 @@
 //! differently from the engine. These versions also hand back the same string (no copy)
 //! when there is nothing to strip, the common case for `message['content'] | trim`.
 
+use std::sync::Arc;
+
+use minijinja::machinery::{make_string_output, CompiledTemplate, TemplateConfig, Vm};
 use minijinja::value::{Kwargs, Value};
-use minijinja::{Environment, Error, ErrorKind};
+use minijinja::{AutoEscape, Environment, Error, ErrorKind};
 use serde::Serialize;
 
-use super::{filters, pyvalue};
+use super::{filters, pyops, pyvalue};
 
 pub const NAME: &str = "chat";
 
-pub fn environment(source: String) -> Result<Environment<'static>, Error> {
+self_cell::self_cell!(
+    /// A template's source and the program minijinja compiled from it (which borrows it).
+    struct Program {
+        owner: String,
+        #[not_covariant]
+        dependent: CompiledTemplate,
+    }
+);
+
+/// A chat template ready to render: the environment (filters, functions, formatter) and
+/// the template compiled by minijinja's own compiler with its operators made Python's
+/// ([`pyops::rewrite`]), run on minijinja's own VM.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    program: Program,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ChatTemplate")
+    }
+}
+
+pub fn environment(source: String) -> Result<ChatTemplate, Error> {
     environment_at(source, None)
 }
 
@@ -33,8 +59,10 @@ pub fn environment(source: String) -> Result<Environment<'static>, Error> {
 fn environment_at(
     source: String,
     clock: Option<chrono::DateTime<chrono::Local>>,
-) -> Result<Environment<'static>, Error> {
+) -> Result<ChatTemplate, Error> {
     let mut env = Environment::new();
+    // What transformers' environment sets: trim_blocks, lstrip_blocks, and the trailing
+    // newline dropped. The program below is compiled with the same settings.
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
     // Printing is Python's `str()`: reprs for containers, floats and strings inside them.
@@ -54,8 +82,25 @@ fn environment_at(
     env.add_function("strftime_now", move |format: String| {
         strftime(clock.unwrap_or_else(chrono::Local::now), &format)
     });
-    env.add_template_owned(NAME, jinja_source(source))?;
-    Ok(env)
+    pyops::add(&mut env);
+    let program = Program::try_new(jinja_source(source), |src| {
+        let config = TemplateConfig {
+            syntax_config: Default::default(),
+            ws_config: minijinja::machinery::WhitespaceConfig {
+                keep_trailing_newline: false,
+                lstrip_blocks: true,
+                trim_blocks: true,
+            },
+            default_auto_escape: Arc::new(|_: &str| AutoEscape::None),
+        };
+        let mut compiled = CompiledTemplate::new(NAME, src, &config)?;
+        pyops::rewrite(&mut compiled.instructions);
+        for block in compiled.blocks.values_mut() {
+            pyops::rewrite(block);
+        }
+        Ok::<_, Error>(compiled)
+    })?;
+    Ok(ChatTemplate { env, program })
 }
 
 /// The template source as Jinja2's lexer reads it: every newline (`\r\n`, `\r`) is `\n`
@@ -228,9 +273,21 @@ pub fn render_source(source: &str, ctx: &str, now: Option<i64>) -> Result<String
 /// a reversed slice of an empty string or list (`content[::-1]`, `messages[::-1]` of
 /// nothing; fixed in 3.x). Such a request is refused (counted, kept on the text chain)
 /// and nothing else is touched: rendering holds no lock and shares no state.
-pub fn render(env: &Environment<'static>, ctx: Value) -> Result<String, Error> {
-    let t = env.get_template(NAME)?;
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| t.render(ctx))).unwrap_or_else(|_| {
+pub fn render(t: &ChatTemplate, ctx: Value) -> Result<String, Error> {
+    let run = || {
+        t.program.with_dependent(|_, c| {
+            let mut out = String::with_capacity(c.buffer_size_hint);
+            Vm::new(&t.env).eval(
+                &c.instructions,
+                ctx,
+                &c.blocks,
+                &mut make_string_output(&mut out),
+                AutoEscape::None,
+            )?;
+            Ok(out)
+        })
+    };
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|_| {
         Err(Error::new(
             ErrorKind::InvalidOperation,
             "the template engine failed on this request",
@@ -326,7 +383,7 @@ fn trim(v: Value, chars: Option<String>) -> Value {
     match v.as_str() {
         Some(s) => stripped(&v, s, py_strip(s, chars.as_deref(), Ends::Both)),
         None => {
-            let s = v.to_string();
+            let s = pyvalue::to_py_str(&v);
             Value::from(py_strip(&s, chars.as_deref(), Ends::Both))
         }
     }
@@ -533,11 +590,8 @@ mod tests {
     use super::*;
 
     fn render(src: &str, ctx: serde_json::Value) -> String {
-        let env = environment(src.to_string()).expect("template");
-        env.get_template(NAME)
-            .expect("t")
-            .render(ctx)
-            .expect("render")
+        let t = environment(src.to_string()).expect("template");
+        super::render(&t, Value::from_serialize(ctx)).expect("render")
     }
 
     #[test]
@@ -616,16 +670,21 @@ mod tests {
     }
 
     #[test]
-    fn a_reversed_slice_of_nothing_is_refused_not_a_panic() {
-        // minijinja 2.x indexes out of bounds here; a request must not reach that panic.
-        let src = "{% for m in messages[::-1] %}{{ m }}{% endfor %}{{ c[::-1] }}";
-        let e = render_source(src, r#"{"messages": [], "c": ""}"#, None).expect_err("refused");
-        assert!(e.to_string().contains("template engine failed"), "{e}");
+    fn a_reversed_slice_of_nothing_is_empty_as_in_python() {
+        // minijinja 2.x's own slice indexes out of bounds here; the template's slices are
+        // Python's (pyops.rs), and the render still catches a panic as a refusal.
+        let src = "{% for m in messages[::-1] %}{{ m }}{% endfor %}[{{ c[::-1] }}]";
+        assert_eq!(
+            render_source(src, r#"{"messages": [], "c": ""}"#, None)
+                .map_err(|e| e.to_string())
+                .as_deref(),
+            Ok("[]")
+        );
         assert_eq!(
             render_source(src, r#"{"messages": ["a", "b"], "c": "xy"}"#, None)
                 .map_err(|e| e.to_string())
                 .as_deref(),
-            Ok("bayx")
+            Ok("ba[yx]")
         );
     }
 
@@ -635,11 +694,10 @@ mod tests {
     fn generator_filters_are_lazy_as_jinja2s() {
         let ctx = serde_json::json!({"m": [{"role": "user"}], "n": 2.5, "d": {"a": 1}});
         let try_render = |src: &str| {
-            environment(src.to_string())
-                .expect("template")
-                .get_template(NAME)
-                .expect("t")
-                .render(ctx.clone())
+            super::render(
+                &environment(src.to_string()).expect("template"),
+                Value::from_serialize(ctx.clone()),
+            )
         };
         // Always true, even when nothing would come out.
         let src = "{% if m | selectattr('role', 'equalto', 'system') %}yes{% endif %}";
@@ -779,12 +837,9 @@ mod tests {
 
     #[test]
     fn raise_exception_fails_the_render() {
-        let env = environment("{{ raise_exception('no system role') }}".into()).expect("t");
-        let e = env
-            .get_template(NAME)
-            .expect("t")
-            .render(serde_json::json!({}))
-            .expect_err("raises");
+        let t = environment("{{ raise_exception('no system role') }}".into()).expect("t");
+        let e =
+            super::render(&t, Value::from_serialize(serde_json::json!({}))).expect_err("raises");
         assert!(e.to_string().contains("no system role"), "{e}");
     }
 }
