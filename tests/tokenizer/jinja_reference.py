@@ -295,8 +295,8 @@ def render_all(compiled, ctxs):
     for ctx in ctxs:
         try:
             out = compiled.render(**ctx)
-            if " at 0x" in out:
-                continue  # a generator or object printed with its address: no template means that
+            if " at 0x" in out.lower():
+                continue  # a generator or object printed with its address (in any case): no template means that
             cases.append({"ctx": ctx, "out": out})
         except Exception as e:  # Jinja2 raised: the sidecar must refuse too
             cases.append({"ctx": ctx, "err": type(e).__name__})

@@ -70,11 +70,28 @@ pub fn add(env: &mut Environment<'static>) {
     });
     env.add_filter("sort", |state: &State, v: Value, kwargs: Kwargs| {
         not_none(&v)?;
+        // Python's `sorted` raises on items it cannot order (`[1, 'a']`).
+        if kwargs.peek::<Option<Value>>("attribute")?.is_none() {
+            let mut items = v.try_iter()?;
+            if let Some(first) = items.next() {
+                if items.any(|x| !super::pyops::orderable(&first, &x)) {
+                    return Err(Error::new(
+                        ErrorKind::InvalidOperation,
+                        "'<' not supported between these items",
+                    ));
+                }
+            }
+        }
         minijinja::filters::sort(state, v, kwargs)
     });
+    // A generator in Jinja2, as `select` is: nothing fails until it is iterated.
     env.add_filter("unique", |state: &State, v: Value, kwargs: Kwargs| {
-        not_none(&v)?;
-        minijinja::filters::unique(state, v, kwargs)
+        Generator::made(&v, || {
+            not_none(&v)?;
+            minijinja::filters::unique(state, v.clone(), kwargs)?
+                .try_iter()
+                .map(Iterator::collect)
+        })
     });
     env.add_filter(
         "batch",
@@ -84,12 +101,13 @@ pub fn add(env: &mut Environment<'static>) {
         },
     );
     env.add_filter("list", list);
+    // Its items are tuples, as `dict.items()`'s are.
     env.add_filter("items", |v: Value| {
         Generator::made(&v, || match v.kind() {
             minijinja::value::ValueKind::Undefined => Ok(Vec::new()),
             _ => minijinja::filters::items(&v)?
                 .try_iter()
-                .map(Iterator::collect),
+                .map(|pairs| pairs.map(as_tuple).collect()),
         })
     });
     env.add_filter("select", by_test(minijinja::filters::select));
@@ -193,6 +211,14 @@ fn list(state: &State, v: Value) -> Result<Value, Error> {
     match Generator::of(&v) {
         Some(Ok(items)) => Ok(Value::from(items.clone())),
         _ => minijinja::filters::list(state, v),
+    }
+}
+
+/// A pair minijinja made (a two-item list) as Python's tuple.
+fn as_tuple(v: Value) -> Value {
+    match v.try_iter() {
+        Ok(items) => Value::from_object(pyvalue::Tuple(items.collect())),
+        Err(_) => v,
     }
 }
 

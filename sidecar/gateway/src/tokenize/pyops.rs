@@ -127,11 +127,11 @@ fn type_name(v: &Value) -> &'static str {
     }
 }
 
-/// `obj[key]`: an undefined `obj` raises; a generator cannot be subscripted (Jinja2
+/// `obj[key]`: an undefined `obj` raises; a generator or dict view cannot be subscripted (Jinja2
 /// swallows Python's `TypeError` into an undefined value); the rest is minijinja's
 /// lookup, which is Python's for strings, lists and dicts.
 fn getitem(obj: Value, key: Value) -> Result<Value, Error> {
-    if filters::is_generator(&obj) {
+    if filters::is_generator(&obj) || obj.downcast_object_ref::<pyvalue::DictView>().is_some() {
         return Ok(Value::UNDEFINED);
     }
     obj.get_item(&key)
@@ -259,6 +259,11 @@ fn py_cmp(a: &Value, b: &Value) -> Option<Ordering> {
         }
         _ => None,
     }
+}
+
+/// Whether Python can order `a` against `b` (what `sorted` needs of its items).
+pub(super) fn orderable(a: &Value, b: &Value) -> bool {
+    py_cmp(a, b).is_some()
 }
 
 /// `a OP b` for an ordering operator: undefined raises, an unorderable pair raises

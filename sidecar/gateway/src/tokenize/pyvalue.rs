@@ -4,13 +4,95 @@
 //! floats never use an exponent, so a template printing a tool call's arguments, a list
 //! of parts or a schema's type list would render — and tokenize — differently from the
 //! engine. The environment (`template.rs`) prints with these, and the filters that call
-//! `str()` (`filters.rs`) use them; what remains different (the `~` operator on a
-//! container, which minijinja evaluates itself) is in docs/architecture.md.
+//! `str()` (`filters.rs`) use them. Two Python types a template meets without writing
+//! them have their own values here: the tuples `dict.items()` and the `items` filter
+//! yield ([`Tuple`]), and the views `items()`, `keys()` and `values()` return
+//! ([`DictView`]). minijinja parses a tuple literal as a list, which prints as one (see
+//! docs/architecture.md).
 
 use std::fmt::Write;
+use std::sync::Arc;
 
-use minijinja::value::{Value, ValueKind};
+use minijinja::value::{Enumerator, Object, ObjectRepr, Value, ValueKind};
 use unicode_categories::UnicodeCategories;
+
+/// A Python tuple: iterates, indexes and unpacks as a list does; prints as `('k', 1)`.
+#[derive(Debug)]
+pub struct Tuple(pub Vec<Value>);
+
+impl Object for Tuple {
+    fn repr(self: &Arc<Self>) -> ObjectRepr {
+        ObjectRepr::Seq
+    }
+
+    fn get_value(self: &Arc<Self>, key: &Value) -> Option<Value> {
+        self.0.get(key.as_usize()?).cloned()
+    }
+
+    fn enumerate(self: &Arc<Self>) -> Enumerator {
+        Enumerator::Seq(self.0.len())
+    }
+
+    fn render(self: &Arc<Self>, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&to_py_str(&Value::from_dyn_object(self.clone())))
+    }
+}
+
+/// A pair as a [`Tuple`] value.
+pub fn pair(k: Value, v: Value) -> Value {
+    Value::from_object(Tuple(vec![k, v]))
+}
+
+/// What `dict.items()`, `keys()` and `values()` return: iterable with a length, not
+/// subscriptable (Jinja2 gives undefined for `d.items()[0]`), not JSON, printed as
+/// `dict_items([('k', 1)])`.
+#[derive(Debug)]
+pub struct DictView {
+    pub kind: &'static str,
+    pub items: Vec<Value>,
+}
+
+impl Object for DictView {
+    fn repr(self: &Arc<Self>) -> ObjectRepr {
+        ObjectRepr::Iterable
+    }
+
+    fn enumerate(self: &Arc<Self>) -> Enumerator {
+        Enumerator::Values(self.items.clone())
+    }
+
+    fn enumerator_len(self: &Arc<Self>) -> Option<usize> {
+        Some(self.items.len())
+    }
+
+    fn is_true(self: &Arc<Self>) -> bool {
+        !self.items.is_empty()
+    }
+
+    fn render(self: &Arc<Self>, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&to_py_str(&Value::from_dyn_object(self.clone())))
+    }
+}
+
+/// `map.items()`, `keys()` or `values()` (`method`) as Python's view; `None` for another
+/// method or a value that is not a dict from the request.
+pub fn dict_view(map: &Value, method: &str) -> Option<Value> {
+    if map.kind() != ValueKind::Map || !is_plain_map(map) {
+        return None;
+    }
+    let keys = map.try_iter().ok()?;
+    let value = |k: &Value| map.get_item(k).unwrap_or_default();
+    let (kind, items): (&'static str, Vec<Value>) = match method {
+        "items" => (
+            "dict_items",
+            keys.map(|k| pair(k.clone(), value(&k))).collect(),
+        ),
+        "keys" => ("dict_keys", keys.collect()),
+        "values" => ("dict_values", keys.map(|k| value(&k)).collect()),
+        _ => return None,
+    };
+    Some(Value::from_object(DictView { kind, items }))
+}
 
 /// Python's `str(v)`: a string as it is, anything else as [`repr`]; undefined is empty.
 pub fn py_str(v: &Value, out: &mut String) {
@@ -32,6 +114,29 @@ pub fn to_py_str(v: &Value) -> String {
 /// makes of tuples: lists). Objects minijinja keeps to itself (macros, namespaces, loop
 /// state) print as minijinja prints them.
 pub fn repr(v: &Value, out: &mut String) {
+    if let Some(t) = v.downcast_object_ref::<Tuple>() {
+        out.push('(');
+        for (i, item) in t.0.iter().enumerate() {
+            if i > 0 {
+                out.push_str(", ");
+            }
+            repr(item, out);
+        }
+        out.push_str(if t.0.len() == 1 { ",)" } else { ")" });
+        return;
+    }
+    if let Some(d) = v.downcast_object_ref::<DictView>() {
+        out.push_str(d.kind);
+        out.push_str("([");
+        for (i, item) in d.items.iter().enumerate() {
+            if i > 0 {
+                out.push_str(", ");
+            }
+            repr(item, out);
+        }
+        out.push_str("])");
+        return;
+    }
     match v.kind() {
         ValueKind::String => str_repr(v.as_str().unwrap_or_default(), out),
         ValueKind::Number => number(v, out),

@@ -5,10 +5,12 @@
 //! `tojson` that writes what Python's `json.dumps(x, ensure_ascii=False)` writes
 //! (`", "` and `": "` separators, insertion order, `indent`, `sort_keys`), which is not
 //! minijinja's compact HTML-safe `tojson`. Values print as Python's `str()` prints them
-//! (`pyvalue.rs`), the filters that differ are Jinja2's (`filters.rs`), and the source is
+//! (`pyvalue.rs`), the filters that differ are Jinja2's (`filters.rs`), the source is
 //! read as Jinja2's lexer reads it (newlines, transformers' `generation` tag), with every
 //! `for` loop's iterable passed through a check that fails on `none` as Python's `iter()`
-//! does (minijinja iterates `none` as empty, hard-wired in its `Value::try_iter`).
+//! does (minijinja iterates `none` as empty, hard-wired in its `Value::try_iter`), and the
+//! compiled program's operators are Python's (`pyops.rs`): the template is compiled here
+//! with minijinja's compiler, rewritten, and run on minijinja's VM ([`ChatTemplate`]).
 //!
 //! Whitespace is Python's: `str.strip`/`lstrip`/`rstrip`/`split()`/`isspace` and Jinja's
 //! `trim` filter count U+001C–U+001F as whitespace (Python's `str.isspace`), which Rust's
@@ -79,6 +81,9 @@ fn environment_at(
     filters::add(&mut env);
     env.add_function("raise_exception", raise_exception);
     env.add_function(ITERABLE, iterable);
+    env.add_function(TUPLE, |items: minijinja::value::Rest<Value>| {
+        Value::from_object(pyvalue::Tuple(items.0))
+    });
     env.add_function("strftime_now", move |format: String| {
         strftime(clock.unwrap_or_else(chrono::Local::now), &format)
     });
@@ -116,10 +121,119 @@ fn jinja_source(source: String) -> String {
     if s.contains("generation") {
         s = generation_blocks(&s);
     }
+    if s.contains(',') || s.contains("()") {
+        s = tuple_literals(s);
+    }
     if s.contains("for") {
         s = checked_loops(s);
     }
     s
+}
+
+/// The function [`tuple_literals`] marks a tuple literal with: a name no template uses.
+const TUPLE: &str = "__kvroute_tuple";
+
+/// Words after which a `(` opens an expression, not a call's arguments.
+const EXPRESSION_WORDS: [&str; 8] = ["in", "not", "and", "or", "if", "else", "elif", "do"];
+
+/// `(a, b)`, `(a,)` and `()` in an expression → `__kvroute_tuple(a, b)`, …: minijinja
+/// parses a tuple literal as a list, and Python prints a tuple as `('t', 1)`. Found with
+/// minijinja's lexer: a `(` is a tuple's when it does not follow a name, `)` or `]` (then
+/// it is a call's, a macro's or a filter's arguments) or an assignment's target (`for
+/// (a, b) in`, `set`, `with`), and holds a comma at its own depth or nothing. A source the
+/// lexer refuses is returned unchanged.
+fn tuple_literals(s: String) -> String {
+    let mut marks = match tuple_marks(&s) {
+        Some(marks) if !marks.is_empty() => marks,
+        _ => return s,
+    };
+    marks.sort_unstable();
+    let mut out = String::with_capacity(s.len() + marks.len() * TUPLE.len());
+    let mut last = 0;
+    for at in marks {
+        out.push_str(&s[last..at]);
+        out.push_str(TUPLE);
+        last = at;
+    }
+    out.push_str(&s[last..]);
+    out
+}
+
+/// The byte offsets of the `(` that open tuple literals; `None` when the lexer refuses
+/// the source.
+fn tuple_marks(s: &str) -> Option<Vec<usize>> {
+    use minijinja::machinery::{tokenize, Token, WhitespaceConfig};
+    use minijinja::syntax::SyntaxConfig;
+
+    struct Open {
+        at: usize,
+        paren: bool,
+        tuple_candidate: bool,
+        comma: bool,
+        empty: bool,
+    }
+    #[allow(clippy::default_constructed_unit_structs)]
+    let syntax = SyntaxConfig::default();
+    let mut marks = Vec::new();
+    let mut stack: Vec<Open> = Vec::new();
+    // Inside a tag's assignment target (after `for`, `set` or `with`, before `in`/`=`).
+    let (mut tag_word, mut in_target) = (true, false);
+    let mut prev: Option<Token> = None;
+    for tok in tokenize(s, false, syntax, WhitespaceConfig::default()) {
+        let (tok, span) = tok.ok()?;
+        let at = span.start_offset as usize;
+        let closes = matches!(
+            tok,
+            Token::ParenClose | Token::BracketClose | Token::BraceClose
+        );
+        if let Some(top) = stack.last_mut().filter(|_| !closes) {
+            top.empty = false;
+        }
+        match &tok {
+            Token::BlockStart | Token::VariableStart => {
+                stack.clear();
+                tag_word = matches!(tok, Token::BlockStart);
+                in_target = false;
+            }
+            Token::Ident(w) if tag_word => {
+                in_target = matches!(*w, "for" | "set" | "with");
+                tag_word = false;
+            }
+            Token::Ident("in") | Token::Assign if stack.is_empty() => in_target = false,
+            Token::ParenOpen | Token::BracketOpen | Token::BraceOpen => {
+                let call = match &prev {
+                    Some(Token::Ident(w)) => !EXPRESSION_WORDS.contains(w),
+                    Some(Token::ParenClose | Token::BracketClose | Token::Str(_)) => true,
+                    _ => false,
+                };
+                stack.push(Open {
+                    at,
+                    paren: matches!(tok, Token::ParenOpen),
+                    tuple_candidate: !call && !in_target,
+                    comma: false,
+                    empty: true,
+                });
+            }
+            Token::Comma => {
+                if let Some(top) = stack.last_mut() {
+                    top.comma = true;
+                }
+            }
+            Token::ParenClose | Token::BracketClose | Token::BraceClose => {
+                if let Some(open) = stack.pop() {
+                    if open.paren && open.tuple_candidate && (open.comma || open.empty) {
+                        marks.push(open.at);
+                    }
+                }
+            }
+            _ => {}
+        }
+        if !matches!(tok, Token::BlockStart | Token::VariableStart) {
+            tag_word = false;
+        }
+        prev = Some(tok);
+    }
+    Some(marks)
 }
 
 /// The function [`checked_loops`] wraps every loop's iterable in: a name no template uses.
@@ -427,6 +541,11 @@ fn python_methods(
             _ => {}
         }
     }
+    if args.is_empty() {
+        if let Some(view) = pyvalue::dict_view(value, method) {
+            return Ok(view);
+        }
+    }
     minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
 }
 
@@ -450,10 +569,10 @@ fn tojson(v: Value, kwargs: Kwargs) -> Result<Value, Error> {
     let _: Option<bool> = kwargs.get("ensure_ascii")?;
     let _: Option<Value> = kwargs.get("separators")?;
     kwargs.assert_all_used()?;
-    if filters::is_generator(&v) {
+    if filters::is_generator(&v) || v.downcast_object_ref::<pyvalue::DictView>().is_some() {
         return Err(Error::new(
             ErrorKind::InvalidOperation,
-            "tojson: a generator is not JSON serializable",
+            "tojson: a generator or dict view is not JSON serializable",
         ));
     }
     if v.is_undefined() {
@@ -667,6 +786,35 @@ mod tests {
             render("{{ l.splitlines(true) | tojson }}", lines),
             "[\"a\\r\", \"b\\r\\n\", \"c\\u000b\", \"d\\u001c\", \"e\u{2028}\", \"f\\n\"]"
         );
+    }
+
+    /// Tuple literals, `dict.items()` and the `items` filter print as Python's tuples and
+    /// views; calls, macro signatures and assignment targets keep their parentheses
+    /// (each expectation is what Jinja2 3.1 under transformers renders).
+    #[test]
+    fn tuples_and_dict_views_are_pythons() {
+        let ctx = serde_json::json!({"d": {"k": 1}});
+        for (src, want) in [
+            ("{{ ('t', 1) }}|{{ (1,) }}|{{ () }}|{{ (1) }}", "('t', 1)|(1,)|()|1"),
+            (
+                "{% for (a, b) in d.items() %}{{ a }}={{ b }};{% endfor %}{% for a, b in d | items %}{{ a }}{{ b }}{% endfor %}",
+                "k=1;k1",
+            ),
+            (
+                "{{ d.items() }}|{{ d.keys() }}|{{ d.values() | list }}|{{ d | items | list }}|{{ d.items() | length }}",
+                "dict_items([('k', 1)])|dict_keys(['k'])|[1]|[('k', 1)]|1",
+            ),
+            (
+                "{% macro f(a, b) %}{{ a }}{{ b }}{% endmacro %}{{ f(1, 2) }}|{{ 'a' in ('a', 'b') }}|{{ ('x', 'y') | join('-') }}",
+                "12|True|x-y",
+            ),
+            (
+                "{% set a, b = (1, 2) %}{{ a }}{{ b }}|{{ [(1, 2)] }}|{{ {'k': (1, 2)} }}|{{ ('a', 'b')[1] }}|{{ d.items() is sequence }}",
+                "12|[(1, 2)]|{'k': (1, 2)}|b|False",
+            ),
+        ] {
+            assert_eq!(render(src, ctx.clone()), want, "{src}");
+        }
     }
 
     #[test]
