@@ -34,6 +34,13 @@ use minijinja::{Environment, Error, ErrorKind};
 
 use super::{filters, pyvalue};
 
+/// minijinja's filter lookup slot (`compiler::instructions::LocalId`) and how many slots a
+/// render has (`MAX_LOCALS`), which its machinery does not export: 2.24's values (the
+/// lock file pins it). A slot past the real bound would index out of minijinja's array;
+/// the render turns that panic into a refusal and the fidelity tests would show it.
+type LocalId = u8;
+const MAX_LOCALS: usize = 50;
+
 const GETITEM: &str = "__kvroute_getitem";
 const SLICE: &str = "__kvroute_slice";
 const LT: &str = "__kvroute_lt";
@@ -51,30 +58,45 @@ const FLOORDIV: &str = "__kvroute_floordiv";
 const MOD: &str = "__kvroute_mod";
 const POW: &str = "__kvroute_pow";
 
-/// Registers the functions [`rewrite`] calls (names no template uses).
+/// Registers the functions [`rewrite`] calls (names no template uses). They are filters,
+/// not globals: the VM caches a filter's lookup per render in a local slot, where a
+/// function call searches the context's frames on every call.
 pub(super) fn add(env: &mut Environment<'static>) {
-    env.add_function(GETITEM, getitem);
-    env.add_function(SLICE, slice);
-    env.add_function(LT, |a: Value, b: Value| compare(&a, &b, Ordering::is_lt));
-    env.add_function(LTE, |a: Value, b: Value| compare(&a, &b, Ordering::is_le));
-    env.add_function(GT, |a: Value, b: Value| compare(&a, &b, Ordering::is_gt));
-    env.add_function(GTE, |a: Value, b: Value| compare(&a, &b, Ordering::is_ge));
-    env.add_function(IN, contains);
-    env.add_function(CONCAT, concat);
-    env.add_function(MUL, mul);
-    env.add_function(NEG, neg);
-    env.add_function(ADD, add_values);
-    env.add_function(SUB, |a: Value, b: Value| arith(&a, &b, Arith::Sub));
-    env.add_function(DIV, |a: Value, b: Value| arith(&a, &b, Arith::Div));
-    env.add_function(FLOORDIV, |a: Value, b: Value| {
+    env.add_filter(GETITEM, getitem);
+    env.add_filter(SLICE, slice);
+    env.add_filter(LT, |a: Value, b: Value| compare(&a, &b, Ordering::is_lt));
+    env.add_filter(LTE, |a: Value, b: Value| compare(&a, &b, Ordering::is_le));
+    env.add_filter(GT, |a: Value, b: Value| compare(&a, &b, Ordering::is_gt));
+    env.add_filter(GTE, |a: Value, b: Value| compare(&a, &b, Ordering::is_ge));
+    env.add_filter(IN, contains);
+    env.add_filter(CONCAT, concat);
+    env.add_filter(MUL, mul);
+    env.add_filter(NEG, neg);
+    env.add_filter(ADD, add_values);
+    env.add_filter(SUB, |a: Value, b: Value| arith(&a, &b, Arith::Sub));
+    env.add_filter(DIV, |a: Value, b: Value| arith(&a, &b, Arith::Div));
+    env.add_filter(FLOORDIV, |a: Value, b: Value| {
         arith(&a, &b, Arith::FloorDiv)
     });
-    env.add_function(MOD, modulo);
-    env.add_function(POW, |a: Value, b: Value| arith(&a, &b, Arith::Pow));
+    env.add_filter(MOD, modulo);
+    env.add_filter(POW, |a: Value, b: Value| arith(&a, &b, Arith::Pow));
 }
 
-/// Each operator instruction of `ins` replaced by the call that does it as Python does.
-pub(super) fn rewrite(ins: &mut Instructions<'_>) {
+/// Each operator instruction of `ins` replaced by the call that does it as Python does:
+/// `ApplyFilter`, whose stack effect is the operator's (it pops its operands, pushes
+/// one result). Each operator gets a lookup slot after those the compiler gave the
+/// template's own filters (none past minijinja's 50: then it is looked up each time).
+pub(super) fn rewrite(ins: &mut Instructions<'_>, first_slot: LocalId) {
+    const OPS: [&str; 16] = [
+        GETITEM, SLICE, LT, LTE, GT, GTE, IN, CONCAT, MUL, NEG, ADD, SUB, DIV, FLOORDIV, MOD, POW,
+    ];
+    let slot = |name: &str| {
+        let at = OPS.iter().position(|o| *o == name).unwrap_or(usize::MAX);
+        usize::from(first_slot)
+            .checked_add(at)
+            .filter(|s| *s < MAX_LOCALS)
+            .map_or(!0, |s| s as LocalId)
+    };
     let mut at = 0;
     while let Some(i) = ins.get_mut(at) {
         let call = match i {
@@ -97,10 +119,25 @@ pub(super) fn rewrite(ins: &mut Instructions<'_>) {
             _ => None,
         };
         if let Some((name, args)) = call {
-            *i = Instruction::CallFunction(name, Some(args));
+            *i = Instruction::ApplyFilter(name, Some(args), slot(name));
         }
         at += 1;
     }
+}
+
+/// The first filter lookup slot no `ApplyFilter` of `ins` uses.
+pub(super) fn free_slot(ins: &Instructions<'_>) -> LocalId {
+    let mut next = 0;
+    let mut at = 0;
+    while let Some(i) = ins.get(at) {
+        if let Instruction::ApplyFilter(_, _, id) = i {
+            if *id != !0 {
+                next = next.max(id.saturating_add(1));
+            }
+        }
+        at += 1;
+    }
+    next
 }
 
 fn undefined_error() -> Error {

@@ -99,9 +99,14 @@ fn environment_at(
             default_auto_escape: Arc::new(|_: &str| AutoEscape::None),
         };
         let mut compiled = CompiledTemplate::new(NAME, src, &config)?;
-        pyops::rewrite(&mut compiled.instructions);
+        let slot = compiled
+            .blocks
+            .values()
+            .map(pyops::free_slot)
+            .fold(pyops::free_slot(&compiled.instructions), u8::max);
+        pyops::rewrite(&mut compiled.instructions, slot);
         for block in compiled.blocks.values_mut() {
-            pyops::rewrite(block);
+            pyops::rewrite(block, slot);
         }
         Ok::<_, Error>(compiled)
     })?;
