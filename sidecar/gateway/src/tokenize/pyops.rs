@@ -192,7 +192,7 @@ fn slice_indices(len: usize, start: Option<i128>, stop: Option<i128>, step: i128
     let (lower, upper) = if step > 0 { (0, n) } else { (-1, n - 1) };
     let clamp = |i: i128| {
         if i < 0 {
-            (i + n).max(lower)
+            i.saturating_add(n).max(lower)
         } else {
             i.min(upper)
         }
@@ -203,7 +203,10 @@ fn slice_indices(len: usize, start: Option<i128>, stop: Option<i128>, step: i128
     let mut i = start;
     while (step > 0 && i < stop) || (step < 0 && i > stop) {
         out.push(i as usize);
-        i += step;
+        match i.checked_add(step) {
+            Some(next) => i = next,
+            None => break,
+        }
     }
     out
 }
@@ -355,7 +358,13 @@ fn contains(needle: Value, haystack: Value) -> Result<Value, Error> {
                     type_name(&needle)
                 )));
             }
-            haystack.try_iter()?.any(|k| py_eq(&k, &needle))
+            // A string key is looked up, not searched for: a client's dict can be large,
+            // and a template may test it once per item.
+            if needle.kind() == ValueKind::String {
+                !haystack.get_item(&needle)?.is_undefined()
+            } else {
+                haystack.try_iter()?.any(|k| py_eq(&k, &needle))
+            }
         }
         ValueKind::Seq | ValueKind::Iterable => {
             filters::check_generator(&haystack)?;
@@ -613,6 +622,13 @@ mod tests {
         assert_eq!(idx(5, Some(-2), None, 1), vec![3, 4]);
         assert_eq!(idx(5, Some(10), None, -2), vec![4, 2, 0]);
         assert_eq!(idx(5, None, Some(-10), 1), Vec::<usize>::new());
+        // Bounds a client can write, at the edge of the integers.
+        assert_eq!(idx(5, Some(1), None, i128::MAX), vec![1]);
+        assert_eq!(
+            idx(5, Some(i128::MIN), None, i128::MIN),
+            Vec::<usize>::new()
+        );
+        assert_eq!(idx(5, Some(-1), Some(i128::MIN), -3), vec![4, 1]);
         let s = |v: Value| slice(v, Value::from(()), Value::from(()), Value::from(-1));
         assert_eq!(s(Value::from("")).ok(), Some(Value::from("")));
         assert_eq!(s(Value::from("ab")).ok(), Some(Value::from("ba")));
