@@ -822,6 +822,26 @@ mod tests {
         }
     }
 
+    /// The operators' filter slots come after the template's own (pyops.rs mirrors
+    /// minijinja's slot count, which its machinery does not export): with 48 filters
+    /// named (never run, still given slots 0-47 by the compiler), the subscript and the
+    /// slice take slots 48 and 49, the last ones, and the rest are looked up each time.
+    #[test]
+    fn operator_slots_stay_inside_minijinjas() {
+        let named: String = (0..48).map(|i| format!("{{{{ x | f{i} }}}}")).collect();
+        // Variables, not literals: minijinja folds constant expressions at compile time.
+        let src = format!(
+            "{{% if false %}}{named}{{% endif %}}{{{{ l[0] }}}}{{{{ s[::-1] }}}}{{{{ n + 1 }}}}"
+        );
+        let ctx = r#"{"l": [1, 2], "s": "ab", "n": 1}"#;
+        assert_eq!(
+            render_source(&src, ctx, None)
+                .map_err(|e| e.to_string())
+                .as_deref(),
+            Ok("1ba2")
+        );
+    }
+
     #[test]
     fn a_reversed_slice_of_nothing_is_empty_as_in_python() {
         // minijinja 2.x's own slice indexes out of bounds here; the template's slices are
