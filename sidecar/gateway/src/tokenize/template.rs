@@ -8,9 +8,11 @@
 //! (`pyvalue.rs`), the filters that differ are Jinja2's (`filters.rs`), the source is
 //! read as Jinja2's lexer reads it (newlines, transformers' `generation` tag), with every
 //! `for` loop's iterable passed through a check that fails on `none` as Python's `iter()`
-//! does (minijinja iterates `none` as empty, hard-wired in its `Value::try_iter`), and the
-//! compiled program's operators are Python's (`pyops.rs`): the template is compiled here
-//! with minijinja's compiler, rewritten, and run on minijinja's VM ([`ChatTemplate`]).
+//! does (minijinja iterates `none` as empty, hard-wired in its `Value::try_iter`), tuple
+//! literals made Python's tuples and literal operands kept from compile-time folding
+//! (three passes over minijinja's own lexer), and the compiled program's operators are
+//! Python's (`pyops.rs`): the template is compiled here with minijinja's compiler,
+//! rewritten, and run on minijinja's VM ([`ChatTemplate`]).
 //!
 //! Whitespace is Python's: `str.strip`/`lstrip`/`rstrip`/`split()`/`isspace` and Jinja's
 //! `trim` filter count U+001C–U+001F as whitespace (Python's `str.isspace`), which Rust's
@@ -81,6 +83,7 @@ fn environment_at(
     filters::add(&mut env);
     env.add_function("raise_exception", raise_exception);
     env.add_function(ITERABLE, iterable);
+    env.add_function(LITERAL, |v: Value| v);
     env.add_function(TUPLE, |items: minijinja::value::Rest<Value>| {
         Value::from_object(pyvalue::Tuple(items.0))
     });
@@ -129,10 +132,100 @@ fn jinja_source(source: String) -> String {
     if s.contains(',') || s.contains("()") {
         s = tuple_literals(s);
     }
+    s = unfolded_literals(s);
     if s.contains("for") {
         s = checked_loops(s);
     }
     s
+}
+
+/// The function [`unfolded_literals`] wraps a literal in: the identity, by a name no
+/// template uses.
+const LITERAL: &str = "__kvroute_literal";
+
+/// `7 // -2` → `(__kvroute_literal(7)) // -2`: minijinja's compiler folds an operator whose
+/// operands are all literals into its result, with its own semantics (`-3` there, where
+/// Python floors to `-4`; `1 < 'a'` answered where Python raises), before `pyops` can
+/// rewrite it. A literal left of an operator that `pyops` rewrites, with a literal (or a
+/// signed one) right of it, is wrapped so the operator runs at render time. Parenthesized
+/// or container operands are not seen and keep minijinja's folding. A source the lexer
+/// refuses is returned unchanged.
+fn unfolded_literals(s: String) -> String {
+    let spans = match folded_operands(&s) {
+        Some(spans) if !spans.is_empty() => spans,
+        _ => return s,
+    };
+    // In parentheses of its own: minijinja binds a unary minus tighter than a call.
+    let mut out = String::with_capacity(s.len() + spans.len() * (LITERAL.len() + 4));
+    let mut last = 0;
+    for (from, to) in spans {
+        out.push_str(&s[last..from]);
+        out.push('(');
+        out.push_str(LITERAL);
+        out.push('(');
+        out.push_str(&s[from..to]);
+        out.push_str("))");
+        last = to;
+    }
+    out.push_str(&s[last..]);
+    out
+}
+
+/// The byte ranges of the literals [`unfolded_literals`] wraps, in order; `None` when the
+/// lexer refuses the source.
+fn folded_operands(s: &str) -> Option<Vec<(usize, usize)>> {
+    use minijinja::machinery::{tokenize, Token, WhitespaceConfig};
+    use minijinja::syntax::SyntaxConfig;
+
+    fn literal(t: &Token) -> bool {
+        matches!(
+            t,
+            Token::Str(_) | Token::String(_) | Token::Int(_) | Token::Int128(_) | Token::Float(_)
+        ) || matches!(
+            t,
+            Token::Ident("true" | "false" | "none" | "True" | "False" | "None")
+        )
+    }
+    fn operator(t: &Token) -> bool {
+        matches!(
+            t,
+            Token::Plus
+                | Token::Minus
+                | Token::Mul
+                | Token::Div
+                | Token::FloorDiv
+                | Token::Pow
+                | Token::Mod
+                | Token::Tilde
+                | Token::Lt
+                | Token::Lte
+                | Token::Gt
+                | Token::Gte
+                | Token::Ident("in")
+        )
+    }
+    #[allow(clippy::default_constructed_unit_structs)]
+    let syntax = SyntaxConfig::default();
+    let mut toks = Vec::new();
+    for tok in tokenize(s, false, syntax, WhitespaceConfig::default()) {
+        let (tok, span) = tok.ok()?;
+        toks.push((tok, span.start_offset as usize, span.end_offset as usize));
+    }
+    let mut spans: Vec<(usize, usize)> = Vec::new();
+    for i in 1..toks.len() {
+        let (op, left) = (&toks[i].0, &toks[i - 1]);
+        if !operator(op) || !literal(&left.0) {
+            continue;
+        }
+        let right = match toks.get(i + 1) {
+            Some((Token::Plus | Token::Minus, _, _)) => toks.get(i + 2),
+            r => r,
+        };
+        if right.is_some_and(|r| literal(&r.0)) && spans.last().is_none_or(|l| l.1 <= left.1) {
+            spans.push((left.1, left.2));
+        }
+    }
+    Some(spans)
 }
 
 /// The function [`tuple_literals`] marks a tuple literal with: a name no template uses.
@@ -839,6 +932,23 @@ mod tests {
                 .map_err(|e| e.to_string())
                 .as_deref(),
             Ok("1ba2")
+        );
+    }
+
+    /// Operators between literals run at render time, with Python's semantics, instead of
+    /// being folded by minijinja's compiler (expectations from Jinja2 3.1).
+    #[test]
+    fn literal_operators_are_pythons() {
+        let ours = |src: &str| render_source(src, "{}", None).map_err(|e| e.to_string());
+        assert_eq!(
+            ours("{{ 7 // -2 }}|{{ -7 % 2 }}|{{ 'a' ~ none }}|{{ 2 ** 3 }}").as_deref(),
+            Ok("-4|1|aNone|8")
+        );
+        assert!(ours("{{ 1 < 'a' }}").is_err());
+        assert!(ours("{{ 1 in 'a1' }}").is_err());
+        assert_eq!(
+            ours("{{ 'x' ~ 'y' ~ 'z' }}|{{ 1 + 2 * 3 }}").as_deref(),
+            Ok("xyz|7")
         );
     }
 
