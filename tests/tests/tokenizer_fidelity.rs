@@ -169,8 +169,9 @@ fn token_ids_match_transformers_on_every_conversation() {
 
 /// vLLM decides from a template's syntax tree whether it reads `content` as a string or
 /// as a list of parts, and hands messages on in that form; the sidecar decides by
-/// rendering. Both must agree on every template vLLM ships (its sdist's `examples/`) and
-/// on every template of this suite; a template minijinja cannot load keeps prediction.
+/// rendering. Both must agree on every template vLLM ships (its sdist's `examples/`), on
+/// 17 model repositories' own (make_fixtures.py's `model_templates`) and on every template
+/// of this suite; a template minijinja cannot load keeps prediction.
 #[test]
 fn content_formats_match_vllm_on_its_templates() {
     use kvroute_sidecar::ContentFormat;

@@ -9,7 +9,9 @@ or the fact that Jinja2 raised, is what the sidecar must reproduce.
 
 Two corpora:
 - `chat`: every chat template in vLLM's sdist (`examples/*.jinja`, pinned by hash, fetched
-  by make_fixtures.py), the tests' own templates, and CRLF copies of two of them, each over
+  by make_fixtures.py), 17 model repositories' own templates (the copies llama.cpp keeps,
+  from llama-cpp-python's sdist, pinned by hash), the tests' own templates, and CRLF
+  copies of two of them, each over
   generated conversations: tool calls with every argument shape (nested objects, lists,
   booleans, null, floats, unicode, control characters), tools with assorted JSON-schema
   shapes, content as a string, as text parts and null, names, reasoning, system-less and
@@ -323,6 +325,7 @@ def main():
     detect = vllm_messages.content_format_detector(sources)
     templates = [(p.name, p.read_text()) for p in make_fixtures.vllm_examples()]
     templates += [(p.name, p.read_text()) for p in sorted((HERE / "templates").glob("*.jinja"))]
+    templates += [(p.name, p.read_text()) for p in make_fixtures.model_templates()]
     # Templates saved with Windows line endings (as some widely copied ones are).
     templates += [(n + ".crlf", s.replace("\n", "\r\n")) for n, s in templates
                   if n in ("template_chatml.jinja", "tool_chat_template_hermes.jinja")]

@@ -182,24 +182,30 @@ VLLM_FILES = [
 ]
 
 
+def sdist(package, filename, sha256):
+    """A source distribution from PyPI, read through the registry's simple API (what pip
+    reads) and checked against its pinned sha256."""
+    import hashlib
+    import urllib.parse
+    import urllib.request
+    index = f"https://pypi.org/simple/{package}/"
+    req = urllib.request.Request(index, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    files = json.load(urllib.request.urlopen(req, timeout=60))["files"]
+    entry = next(f for f in files if f["filename"] == filename)
+    data = urllib.request.urlopen(urllib.parse.urljoin(index, entry["url"]), timeout=300).read()
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise SystemExit(f"{filename}: unexpected sha256")
+    return data
+
+
 def vllm_sources():
     """The vLLM source files the reference compiles functions from, taken from vLLM's
     sdist on PyPI (pinned by hash) and cached in OUT."""
-    import hashlib
     import io
     import tarfile
-    import urllib.parse
-    import urllib.request
     cache = OUT / f"vllm-{VLLM}-src"
     if not all((cache / f).exists() for f in VLLM_FILES) or not (cache / "examples").is_dir():
-        # The registry's simple API (what pip reads), the file pinned by its hash.
-        index = "https://pypi.org/simple/vllm/"
-        req = urllib.request.Request(index, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-        files = json.load(urllib.request.urlopen(req, timeout=60))["files"]
-        sdist = next(f for f in files if f["filename"] == f"vllm-{VLLM}.tar.gz")
-        data = urllib.request.urlopen(urllib.parse.urljoin(index, sdist["url"]), timeout=300).read()
-        if hashlib.sha256(data).hexdigest() != VLLM_SHA256:
-            raise SystemExit(f"vllm-{VLLM}.tar.gz: unexpected sha256")
+        data = sdist("vllm", f"vllm-{VLLM}.tar.gz", VLLM_SHA256)
         with tarfile.open(fileobj=io.BytesIO(data)) as tf:
             for f in VLLM_FILES:
                 (cache / f).parent.mkdir(parents=True, exist_ok=True)
@@ -215,6 +221,32 @@ def vllm_sources():
 def vllm_examples():
     """vLLM's example chat templates (examples/*.jinja in its sdist)."""
     return sorted((OUT / f"vllm-{VLLM}-src" / "examples").glob("*.jinja"))
+
+
+# Model repositories' own chat templates, as llama.cpp keeps copies of them for its tests
+# (models/templates/ in the llama.cpp source that llama-cpp-python's sdist vendors):
+# Llama 3.1/3.2/3.3, Qwen2.5, Hermes 2 Pro and 3, Command R+ and R7B, DeepSeek R1
+# distills, Gemma 2, Phi-3.5, Mistral Nemo, functionary, firefunction.
+LLAMA_CPP_PYTHON = "0.3.9"
+LLAMA_CPP_PYTHON_SHA256 = "a3a985f558385e2f5de5b663f4e9b0817506d6af98122450142cd98e79216370"
+
+
+def model_templates():
+    """Real models' chat templates (see LLAMA_CPP_PYTHON), cached in OUT."""
+    import io
+    import tarfile
+    cache = OUT / f"llama-cpp-python-{LLAMA_CPP_PYTHON}-templates"
+    if not cache.is_dir():
+        data = sdist("llama-cpp-python", f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz",
+                     LLAMA_CPP_PYTHON_SHA256)
+        part = cache.with_suffix(".part")
+        part.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+            for m in tf.getmembers():
+                if "/models/templates/" in m.name and m.name.endswith(".jinja") and m.isfile():
+                    (part / m.name.rsplit("/", 1)[1]).write_bytes(tf.extractfile(m).read())
+        part.rename(cache)
+    return sorted(cache.glob("*.jinja"))
 
 
 def vllm_postprocess(sources):
@@ -431,9 +463,10 @@ def main():
 
     parse = vllm_messages.chat_parser(sources)
     detect = vllm_messages.content_format_detector(sources)
-    # vLLM's content-format decision for every template it ships and every one here.
+    # vLLM's content-format decision for every template it ships, the models' own and
+    # every one here.
     formats = [{"template": str(t), "vllm": detect(t.read_text())}
-               for t in vllm_examples() + sorted((HERE / "templates").glob("*.jinja"))]
+               for t in vllm_examples() + model_templates() + sorted((HERE / "templates").glob("*.jinja"))]
     (OUT / "content_formats.json").write_text(json.dumps(formats, indent=1))
 
     out = []

@@ -14,7 +14,9 @@
 //!   `TypeError`, its slices do not);
 //! - `~` joins Python's `str()` of each side (`'a' ~ none` is `aNone`, a list prints as
 //!   its repr), `*` repeats a string or list by an integer or boolean, booleans are
-//!   integers (`-True` is `-1`), `//` and `%` floor as Python's do, `'%s' % x` formats.
+//!   integers (`-True` is `-1`), `//` and `%` floor as Python's do, `'%s' % x` formats,
+//!   and `+` with a string marked safe (`'…' | safe`, Python's `Markup`) HTML-escapes the
+//!   plain side.
 //!
 //! Python's own `TypeError` on a slice of a literal (`{{ false[1:] }}`) is swallowed
 //! by Jinja2's constant folding, which evaluates literals at compile time; here it
@@ -554,6 +556,19 @@ fn add_values(a: Value, b: Value) -> Result<Value, Error> {
         _ => {}
     }
     match (a.kind(), b.kind()) {
+        // Python's `Markup` (`'…' | safe`) added to a plain string escapes the plain one.
+        (ValueKind::String, ValueKind::String) if a.is_safe() || b.is_safe() => {
+            let mut out = String::new();
+            for v in [&a, &b] {
+                let s = v.as_str().unwrap_or_default();
+                if v.is_safe() {
+                    out.push_str(s);
+                } else {
+                    html_escape(s, &mut out);
+                }
+            }
+            Ok(Value::from_safe_string(out))
+        }
         (ValueKind::String, ValueKind::String) => Ok(Value::from(format!(
             "{}{}",
             a.as_str().unwrap_or_default(),
@@ -567,6 +582,20 @@ fn add_values(a: Value, b: Value) -> Result<Value, Error> {
             ))
         }
         _ => Err(unsupported("+", &a, &b)),
+    }
+}
+
+/// markupsafe's `escape`: `&`, `<`, `>`, `'` and `"` as entities.
+fn html_escape(s: &str, out: &mut String) {
+    for c in s.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '\'' => out.push_str("&#39;"),
+            '"' => out.push_str("&#34;"),
+            c => out.push(c),
+        }
     }
 }
 

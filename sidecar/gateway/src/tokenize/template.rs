@@ -80,6 +80,7 @@ fn environment_at(
     env.set_unknown_method_callback(python_methods);
     env.add_filter("tojson", tojson);
     env.add_filter("trim", trim);
+    env.add_filter("indent", indent);
     filters::add(&mut env);
     env.add_function("raise_exception", raise_exception);
     env.add_function(ITERABLE, iterable);
@@ -566,6 +567,16 @@ fn py_split_whitespace(s: &str, maxsplit: Option<i64>) -> Value {
 /// Python's `str.splitlines`: every line boundary Python knows (`\r\n` as one), no
 /// empty item after a final boundary.
 fn py_splitlines(s: &str, keepends: bool) -> Value {
+    Value::from(
+        py_lines(s, keepends)
+            .into_iter()
+            .map(Value::from)
+            .collect::<Vec<_>>(),
+    )
+}
+
+/// The lines Python's `str.splitlines` gives.
+fn py_lines(s: &str, keepends: bool) -> Vec<&str> {
     let boundary = |c: char| {
         matches!(
             c,
@@ -581,13 +592,79 @@ fn py_splitlines(s: &str, keepends: bool) -> Value {
         } else {
             at + rest[at..].chars().next().map_or(1, char::len_utf8)
         };
-        out.push(Value::from(&rest[..if keepends { end } else { at }]));
+        out.push(&rest[..if keepends { end } else { at }]);
         rest = &rest[end..];
     }
     if !rest.is_empty() {
-        out.push(Value::from(rest));
+        out.push(rest);
     }
-    Value::from(out)
+    out
+}
+
+/// Jinja2's `indent(width=4, first=False, blank=False)`: the lines after the first
+/// indented (empty ones only with `blank`), the first too with `first`; `width` is a
+/// count of spaces or the indentation itself. Jinja2 appends a newline before splitting,
+/// so a trailing newline survives (`'{\n' | indent(4, first=true)` is `'    {\n'`),
+/// where minijinja's own `indent` drops it.
+fn indent(
+    v: Value,
+    width: Option<Value>,
+    first: Option<bool>,
+    blank: Option<bool>,
+    kwargs: Kwargs,
+) -> Result<Value, Error> {
+    let width = match width {
+        Some(w) => Some(w),
+        None => kwargs.get::<Option<Value>>("width")?,
+    };
+    let first = first
+        .or(kwargs.get::<Option<bool>>("first")?)
+        .unwrap_or(false);
+    let blank = blank
+        .or(kwargs.get::<Option<bool>>("blank")?)
+        .unwrap_or(false);
+    kwargs.assert_all_used()?;
+    let Some(s) = v
+        .as_str()
+        .filter(|_| v.kind() == minijinja::value::ValueKind::String)
+    else {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            "indent: the value is not a string",
+        ));
+    };
+    let ind = match &width {
+        None => "    ".to_owned(),
+        Some(w) if w.kind() == minijinja::value::ValueKind::String => {
+            w.as_str().unwrap_or_default().to_owned()
+        }
+        Some(w) => " ".repeat(
+            pyvalue::integer(w)
+                .and_then(|n| usize::try_from(n.max(0)).ok())
+                .filter(|n| *n <= 1 << 16)
+                .ok_or_else(|| Error::new(ErrorKind::InvalidOperation, "indent: bad width"))?,
+        ),
+    };
+    let with_newline = format!("{s}\n");
+    let lines = py_lines(&with_newline, false);
+    let mut out = String::with_capacity(with_newline.len() + lines.len() * ind.len());
+    if first {
+        out.push_str(&ind);
+    }
+    for (i, line) in lines.iter().enumerate() {
+        if i > 0 {
+            out.push('\n');
+            if blank || !line.is_empty() {
+                out.push_str(&ind);
+            }
+        }
+        out.push_str(line);
+    }
+    Ok(if v.is_safe() {
+        Value::from_safe_string(out)
+    } else {
+        Value::from(out)
+    })
 }
 
 /// Jinja's `trim` filter (Python's `str.strip`).
@@ -696,8 +773,9 @@ fn tojson(v: Value, kwargs: Kwargs) -> Result<Value, Error> {
         .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     let s = String::from_utf8(buf)
         .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
-    // Inserted as is (transformers' templates are not autoescaped).
-    Ok(Value::from_safe_string(s))
+    // A plain string, as transformers' `tojson` returns (Jinja2's own returns Markup):
+    // `'…' | safe + x | tojson` escapes the JSON, as Python's `Markup.__add__` does.
+    Ok(Value::from(s))
 }
 
 fn sort(v: &mut serde_json::Value) {
@@ -950,6 +1028,32 @@ mod tests {
             ours("{{ 'x' ~ 'y' ~ 'z' }}|{{ 1 + 2 * 3 }}").as_deref(),
             Ok("xyz|7")
         );
+    }
+
+    /// Jinja2's `indent` keeps a trailing newline (Command R+'s tool-use template indents
+    /// `'{\n'`), and a string marked safe added to a plain one escapes the plain one, as
+    /// Python's `Markup` does (functionary v3.1 adds `tojson`'s plain output to one);
+    /// each expectation is what Jinja2 3.1 under transformers renders.
+    #[test]
+    fn indent_and_markup_are_jinja2s() {
+        let ctx = serde_json::json!({"d": {"k": "\""}});
+        for (src, want) in [
+            ("[{{ '{\\n' | indent(4, first=true) }}]", "[    {\n]"),
+            ("[{{ 'a\\n\\nb' | indent(2) }}]", "[a\n\n  b]"),
+            ("[{{ 'a\\n\\nb' | indent(2, blank=true) }}]", "[a\n  \n  b]"),
+            ("[{{ 'a\\nb' | indent('> ', true) }}]", "[> a\n> b]"),
+            ("[{{ 'x' | indent(width=3, first=true) }}]", "[   x]"),
+            (
+                "{{ 'a \"' | safe + '<b>' + d | tojson }}",
+                "a \"&lt;b&gt;{&#34;k&#34;: &#34;\\&#34;&#34;}",
+            ),
+            (
+                "{{ '<' + '>' }}|{{ ('<' | safe) ~ '>' }}|{{ 'x' | e + '\"' }}",
+                "<>|<>|x&#34;",
+            ),
+        ] {
+            assert_eq!(render(src, ctx.clone()), want, "{src}");
+        }
     }
 
     #[test]
