@@ -152,20 +152,23 @@ const LITERAL: &str = "__kvroute_literal";
 /// or container operands are not seen and keep minijinja's folding. A source the lexer
 /// refuses is returned unchanged.
 fn unfolded_literals(s: String) -> String {
-    let spans = match folded_operands(&s) {
-        Some(spans) if !spans.is_empty() => spans,
-        _ => return s,
-    };
-    // In parentheses of its own: minijinja binds a unary minus tighter than a call.
-    let mut out = String::with_capacity(s.len() + spans.len() * (LITERAL.len() + 4));
+    match folded_operands(&s) {
+        // In parentheses of its own: minijinja binds a unary minus tighter than a call.
+        Some(spans) if !spans.is_empty() => wrap_spans(&s, &spans, &format!("({LITERAL}("), "))"),
+        _ => s,
+    }
+}
+
+/// `s` with each of `spans` (byte ranges, in order, not overlapping; an empty one is an
+/// insertion point) put between `before` and `after`: how the source pre-passes edit.
+fn wrap_spans(s: &str, spans: &[(usize, usize)], before: &str, after: &str) -> String {
+    let mut out = String::with_capacity(s.len() + spans.len() * (before.len() + after.len()));
     let mut last = 0;
-    for (from, to) in spans {
+    for &(from, to) in spans {
         out.push_str(&s[last..from]);
-        out.push('(');
-        out.push_str(LITERAL);
-        out.push('(');
+        out.push_str(before);
         out.push_str(&s[from..to]);
-        out.push_str("))");
+        out.push_str(after);
         last = to;
     }
     out.push_str(&s[last..]);
@@ -242,20 +245,14 @@ const EXPRESSION_WORDS: [&str; 8] = ["in", "not", "and", "or", "if", "else", "el
 /// (a, b) in`, `set`, `with`), and holds a comma at its own depth or nothing. A source the
 /// lexer refuses is returned unchanged.
 fn tuple_literals(s: String) -> String {
-    let mut marks = match tuple_marks(&s) {
-        Some(marks) if !marks.is_empty() => marks,
-        _ => return s,
-    };
-    marks.sort_unstable();
-    let mut out = String::with_capacity(s.len() + marks.len() * TUPLE.len());
-    let mut last = 0;
-    for at in marks {
-        out.push_str(&s[last..at]);
-        out.push_str(TUPLE);
-        last = at;
+    match tuple_marks(&s) {
+        Some(mut marks) if !marks.is_empty() => {
+            marks.sort_unstable();
+            let spans: Vec<(usize, usize)> = marks.into_iter().map(|at| (at, at)).collect();
+            wrap_spans(&s, &spans, TUPLE, "")
+        }
+        _ => s,
     }
-    out.push_str(&s[last..]);
-    out
 }
 
 /// The byte offsets of the `(` that open tuple literals; `None` when the lexer refuses
@@ -360,22 +357,10 @@ fn iterable(v: Value) -> Result<Value, Error> {
 /// Jinja2's but not minijinja's syntax) the one argument it is in Jinja2. A source the
 /// lexer refuses is returned unchanged for the compiler to refuse with its own message.
 fn checked_loops(s: String) -> String {
-    let spans = match loop_iterables(&s) {
-        Some(spans) if !spans.is_empty() => spans,
-        _ => return s,
-    };
-    let mut out = String::with_capacity(s.len() + spans.len() * (ITERABLE.len() + 4));
-    let mut last = 0;
-    for (from, to) in spans {
-        out.push_str(&s[last..from]);
-        out.push_str(ITERABLE);
-        out.push_str("((");
-        out.push_str(&s[from..to]);
-        out.push_str("))");
-        last = to;
+    match loop_iterables(&s) {
+        Some(spans) if !spans.is_empty() => wrap_spans(&s, &spans, &format!("{ITERABLE}(("), "))"),
+        _ => s,
     }
-    out.push_str(&s[last..]);
-    out
 }
 
 /// The byte ranges of the iterables [`checked_loops`] wraps, in order; `None` when the
@@ -889,6 +874,14 @@ mod tests {
         super::render(&t, Value::from_serialize(ctx)).expect("render")
     }
 
+    /// Each template renders `want` over the JSON object `ctx`.
+    fn renders_as(ctx: &str, cases: &[(&str, &str)]) {
+        for (src, want) in cases {
+            let got = render_source(src, ctx, None).map_err(|e| e.to_string());
+            assert_eq!(got.as_deref(), Ok(*want), "{src}");
+        }
+    }
+
     #[test]
     fn tojson_writes_what_python_json_dumps_writes() {
         let ctx = serde_json::json!({"x": {"b": [1, "é<>&'", null, true], "a": {"z": 1.5}}});
@@ -969,8 +962,9 @@ mod tests {
     /// (each expectation is what Jinja2 3.1 under transformers renders).
     #[test]
     fn tuples_and_dict_views_are_pythons() {
-        let ctx = serde_json::json!({"d": {"k": 1}});
-        for (src, want) in [
+        renders_as(
+            r#"{"d": {"k": 1}}"#,
+            &[
             ("{{ ('t', 1) }}|{{ (1,) }}|{{ () }}|{{ (1) }}", "('t', 1)|(1,)|()|1"),
             (
                 "{% for (a, b) in d.items() %}{{ a }}={{ b }};{% endfor %}{% for a, b in d | items %}{{ a }}{{ b }}{% endfor %}",
@@ -988,9 +982,8 @@ mod tests {
                 "{% set a, b = (1, 2) %}{{ a }}{{ b }}|{{ [(1, 2)] }}|{{ {'k': (1, 2)} }}|{{ ('a', 'b')[1] }}|{{ d.items() is sequence }}",
                 "12|[(1, 2)]|{'k': (1, 2)}|b|False",
             ),
-        ] {
-            assert_eq!(render(src, ctx.clone()), want, "{src}");
-        }
+            ],
+        );
     }
 
     /// The operators' filter slots come after the template's own (pyops.rs mirrors
@@ -1036,24 +1029,24 @@ mod tests {
     /// each expectation is what Jinja2 3.1 under transformers renders.
     #[test]
     fn indent_and_markup_are_jinja2s() {
-        let ctx = serde_json::json!({"d": {"k": "\""}});
-        for (src, want) in [
-            ("[{{ '{\\n' | indent(4, first=true) }}]", "[    {\n]"),
-            ("[{{ 'a\\n\\nb' | indent(2) }}]", "[a\n\n  b]"),
-            ("[{{ 'a\\n\\nb' | indent(2, blank=true) }}]", "[a\n  \n  b]"),
-            ("[{{ 'a\\nb' | indent('> ', true) }}]", "[> a\n> b]"),
-            ("[{{ 'x' | indent(width=3, first=true) }}]", "[   x]"),
-            (
-                "{{ 'a \"' | safe + '<b>' + d | tojson }}",
-                "a \"&lt;b&gt;{&#34;k&#34;: &#34;\\&#34;&#34;}",
-            ),
-            (
-                "{{ '<' + '>' }}|{{ ('<' | safe) ~ '>' }}|{{ 'x' | e + '\"' }}",
-                "<>|<>|x&#34;",
-            ),
-        ] {
-            assert_eq!(render(src, ctx.clone()), want, "{src}");
-        }
+        renders_as(
+            r#"{"d": {"k": "\""}}"#,
+            &[
+                ("[{{ '{\\n' | indent(4, first=true) }}]", "[    {\n]"),
+                ("[{{ 'a\\n\\nb' | indent(2) }}]", "[a\n\n  b]"),
+                ("[{{ 'a\\n\\nb' | indent(2, blank=true) }}]", "[a\n  \n  b]"),
+                ("[{{ 'a\\nb' | indent('> ', true) }}]", "[> a\n> b]"),
+                ("[{{ 'x' | indent(width=3, first=true) }}]", "[   x]"),
+                (
+                    "{{ 'a \"' | safe + '<b>' + d | tojson }}",
+                    "a \"&lt;b&gt;{&#34;k&#34;: &#34;\\&#34;&#34;}",
+                ),
+                (
+                    "{{ '<' + '>' }}|{{ ('<' | safe) ~ '>' }}|{{ 'x' | e + '\"' }}",
+                    "<>|<>|x&#34;",
+                ),
+            ],
+        );
     }
 
     #[test]
@@ -1207,19 +1200,19 @@ mod tests {
             let src = format!("{{{{ none | {f} }}}}");
             assert!(ours(&src).is_err(), "{src}");
         }
-        let same = [
-            ("{{ missing | reverse | list }}", "[]"),
-            ("{{ missing | join }}|{{ missing | list }}", "|[]"),
-            ("{{ l | reverse | list }}{{ l | sum }}{{ l | max }}", "[2, 1]32"),
-            (
-                "{{ missing is sequence }} {{ {} is sequence }} {{ 's' is sequence }} {{ l is sequence }}",
-                "True True True True",
-            ),
-            ("{{ none is sequence }} {{ 1 is sequence }} {{ (l | select) is sequence }}", "False False False"),
-        ];
-        for (src, want) in same {
-            assert_eq!(ours(src).as_deref(), Ok(want), "{src}");
-        }
+        renders_as(
+            r#"{"l": [1, 2]}"#,
+            &[
+                ("{{ missing | reverse | list }}", "[]"),
+                ("{{ missing | join }}|{{ missing | list }}", "|[]"),
+                ("{{ l | reverse | list }}{{ l | sum }}{{ l | max }}", "[2, 1]32"),
+                (
+                    "{{ missing is sequence }} {{ {} is sequence }} {{ 's' is sequence }} {{ l is sequence }}",
+                    "True True True True",
+                ),
+                ("{{ none is sequence }} {{ 1 is sequence }} {{ (l | select) is sequence }}", "False False False"),
+            ],
+        );
     }
 
     #[test]
