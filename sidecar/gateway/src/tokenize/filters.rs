@@ -343,7 +343,7 @@ fn end_item(v: Value, first: bool) -> Result<Value, Error> {
 /// `float(Undefined)` does.
 fn to_float(v: Value, default: Option<Value>) -> Result<Value, Error> {
     if v.is_undefined() {
-        return Err(Error::new(ErrorKind::UndefinedError, "undefined value"));
+        return Err(super::pyops::undefined_error());
     }
     let parsed = match v.as_str() {
         Some(s) => py_float(s),
@@ -356,7 +356,7 @@ fn to_float(v: Value, default: Option<Value>) -> Result<Value, Error> {
 /// the default; an undefined value raises. (Only base 10; another base is refused.)
 fn to_int(v: Value, default: Option<Value>, base: Option<i64>) -> Result<Value, Error> {
     if v.is_undefined() {
-        return Err(Error::new(ErrorKind::UndefinedError, "undefined value"));
+        return Err(super::pyops::undefined_error());
     }
     if base.is_some_and(|b| b != 10) {
         return Err(Error::new(ErrorKind::InvalidOperation, "int: only base 10"));

@@ -142,7 +142,8 @@ pub(super) fn free_slot(ins: &Instructions<'_>) -> LocalId {
     next
 }
 
-fn undefined_error() -> Error {
+/// What Jinja2's `Undefined` raises when used as a value.
+pub(super) fn undefined_error() -> Error {
     Error::new(ErrorKind::UndefinedError, "undefined value")
 }
 

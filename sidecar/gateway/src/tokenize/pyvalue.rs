@@ -7,8 +7,7 @@
 //! `str()` (`filters.rs`) use them. Two Python types a template meets without writing
 //! them have their own values here: the tuples `dict.items()` and the `items` filter
 //! yield ([`Tuple`]), and the views `items()`, `keys()` and `values()` return
-//! ([`DictView`]). minijinja parses a tuple literal as a list, which prints as one (see
-//! docs/architecture.md).
+//! ([`DictView`]); a tuple literal is made a [`Tuple`] by a source pass (`template.rs`).
 
 use std::fmt::Write;
 use std::sync::Arc;
@@ -116,24 +115,14 @@ pub fn to_py_str(v: &Value) -> String {
 pub fn repr(v: &Value, out: &mut String) {
     if let Some(t) = v.downcast_object_ref::<Tuple>() {
         out.push('(');
-        for (i, item) in t.0.iter().enumerate() {
-            if i > 0 {
-                out.push_str(", ");
-            }
-            repr(item, out);
-        }
+        reprs(&t.0, out);
         out.push_str(if t.0.len() == 1 { ",)" } else { ")" });
         return;
     }
     if let Some(d) = v.downcast_object_ref::<DictView>() {
         out.push_str(d.kind);
         out.push_str("([");
-        for (i, item) in d.items.iter().enumerate() {
-            if i > 0 {
-                out.push_str(", ");
-            }
-            repr(item, out);
-        }
+        reprs(&d.items, out);
         out.push_str("])");
         return;
     }
@@ -147,12 +136,7 @@ pub fn repr(v: &Value, out: &mut String) {
         ValueKind::Seq | ValueKind::Iterable if !v.is_safe() => {
             out.push('[');
             if let Ok(items) = v.try_iter() {
-                for (i, item) in items.enumerate() {
-                    if i > 0 {
-                        out.push_str(", ");
-                    }
-                    repr(&item, out);
-                }
+                reprs(&items.collect::<Vec<_>>(), out);
             }
             out.push(']');
         }
@@ -175,6 +159,16 @@ pub fn repr(v: &Value, out: &mut String) {
         _ => {
             let _ = write!(out, "{v}");
         }
+    }
+}
+
+/// `items`' reprs joined by `, `, as Python writes a container's items.
+fn reprs(items: &[Value], out: &mut String) {
+    for (i, item) in items.iter().enumerate() {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        repr(item, out);
     }
 }
 

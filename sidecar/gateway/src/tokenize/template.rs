@@ -65,10 +65,6 @@ fn environment_at(
     clock: Option<chrono::DateTime<chrono::Local>>,
 ) -> Result<ChatTemplate, Error> {
     let mut env = Environment::new();
-    // What transformers' environment sets: trim_blocks, lstrip_blocks, and the trailing
-    // newline dropped. The program below is compiled with the same settings.
-    env.set_trim_blocks(true);
-    env.set_lstrip_blocks(true);
     // Printing is Python's `str()`: reprs for containers, floats and strings inside them.
     env.set_formatter(|out, _state, v| {
         match v.as_str() {
@@ -93,6 +89,8 @@ fn environment_at(
     });
     pyops::add(&mut env);
     let program = Program::try_new(jinja_source(source), |src| {
+        // What transformers' environment sets: trim_blocks, lstrip_blocks, the trailing
+        // newline dropped, no autoescaping. (The environment compiles no template itself.)
         let config = TemplateConfig {
             syntax_config: Default::default(),
             ws_config: minijinja::machinery::WhitespaceConfig {
@@ -467,9 +465,9 @@ pub fn render_source(source: &str, ctx: &str, now: Option<i64>) -> Result<String
 }
 
 /// The chat template rendered over `ctx`, a panic inside the template engine turned into
-/// an error: the context is a network peer's, and minijinja 2.x indexes out of bounds on
-/// a reversed slice of an empty string or list (`content[::-1]`, `messages[::-1]` of
-/// nothing; fixed in 3.x). Such a request is refused (counted, kept on the text chain)
+/// an error: the context is a network peer's, and minijinja 2.x has panicked on inputs
+/// before (its own slice indexed out of bounds on a reversed slice of nothing, which
+/// `pyops` now does itself). Such a request is refused (counted, kept on the text chain)
 /// and nothing else is touched: rendering holds no lock and shares no state.
 pub fn render(t: &ChatTemplate, ctx: Value) -> Result<String, Error> {
     let run = || {
