@@ -393,9 +393,10 @@ async fn memory_stays_within_its_stated_bound() {
     assert!(entries > 100_000, "the index was filled: {entries} {st}");
     // docs/security.md: index budget, predicted recency queues (<= 1.6 x their quarter),
     // decisions ring (2 MiB), and the working memory of requests and the allocator
-    // (48 MiB; this run measured about 50 MiB of growth in all).
+    // (64 MiB: over ten runs of this load the growth in all was 55-77 MiB, so that term
+    // took up to 52; 48 was one run's figure and failed one run in ten).
     let rss = kvroute_tests::procs::status_kib(sc.pid(), "VmRSS:");
-    let bound_kib = (MAX_INDEX_MB + MAX_INDEX_MB * 4 / 10 + 2 + 48) << 10;
+    let bound_kib = (MAX_INDEX_MB + MAX_INDEX_MB * 4 / 10 + 2 + 64) << 10;
     assert!(
         rss.saturating_sub(rss0) <= bound_kib,
         "RSS grew {} KiB, bound {bound_kib} KiB: {mem}",
