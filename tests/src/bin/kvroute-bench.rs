@@ -95,6 +95,11 @@ enum Cmd {
         rate: Option<f64>,
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Run this many seeds from `--seed` on, each its own table, then one table over
+        /// them all: TTFT as geometric means, and on how many seeds each policy had the
+        /// lowest mean. One seed of the agentic sessions is a poor judge of a policy.
+        #[arg(long, default_value_t = 1)]
+        seeds: u64,
         /// Comma-separated policies (default: all).
         #[arg(long)]
         policies: Option<String>,
@@ -276,6 +281,7 @@ fn main() -> anyhow::Result<()> {
             trace_seconds,
             rate,
             seed,
+            seeds,
             policies,
             svg,
             event_delay_ms,
@@ -316,110 +322,130 @@ fn main() -> anyhow::Result<()> {
                 anyhow::ensure!(ms.is_finite() && ms > 0.0, "--engine-decode-ms {ms}");
                 cost.decode_ms = ms;
             }
-            let mut runs: Vec<(String, Vec<kvroute_tests::workload::Request>, u32)> = Vec::new();
-            if let Some(p) = agentic {
-                let path = if p.as_os_str() == "shipped" {
-                    kvroute_tests::workload::default_agentic()
-                } else {
-                    p
-                };
-                let bt = kvroute_tests::workload::MOONCAKE_BLOCK_TOKENS;
-                let mut reqs = kvroute_tests::workload::load_agentic(
-                    &path,
-                    kvroute_tests::workload::AgenticOpts {
-                        block_tokens: bt,
-                        mean_gap_s: session_gap_s,
-                        seed,
-                    },
-                )?;
-                cut_and_compress(&mut reqs, trace_seconds, speedup);
-                runs.push((
-                    format!(
-                        "agentic sessions ({}), {session_gap_s} s mean start gap",
-                        path.display()
-                    ),
-                    reqs,
-                    bt,
-                ));
-            }
-            match (trace, workload.as_deref()) {
-                _ if !runs.is_empty() => {}
-                (Some(path), _) => {
-                    let mut reqs = kvroute_tests::workload::load_mooncake(&path)?;
+            anyhow::ensure!(seeds >= 1, "--seeds {seeds}");
+            let mut last = Vec::new();
+            // Workload label → each seed's results, for the table over seeds.
+            let mut per_seed: std::collections::BTreeMap<String, Vec<Vec<sim::SimResult>>> =
+                Default::default();
+            for seed in seed..seed + seeds {
+                let mut runs: Vec<(String, Vec<kvroute_tests::workload::Request>, u32)> =
+                    Vec::new();
+                if let Some(p) = agentic.clone() {
+                    let path = if p.as_os_str() == "shipped" {
+                        kvroute_tests::workload::default_agentic()
+                    } else {
+                        p
+                    };
+                    let bt = kvroute_tests::workload::MOONCAKE_BLOCK_TOKENS;
+                    let mut reqs = kvroute_tests::workload::load_agentic(
+                        &path,
+                        kvroute_tests::workload::AgenticOpts {
+                            block_tokens: bt,
+                            mean_gap_s: session_gap_s,
+                            seed,
+                        },
+                    )?;
                     cut_and_compress(&mut reqs, trace_seconds, speedup);
                     runs.push((
-                        path.display().to_string(),
+                        format!(
+                            "agentic sessions ({}), {session_gap_s} s mean start gap",
+                            path.display()
+                        ),
                         reqs,
-                        kvroute_tests::workload::MOONCAKE_BLOCK_TOKENS,
+                        bt,
                     ));
                 }
-                (None, Some(w)) => {
-                    let names: Vec<&str> = if w == "all" {
-                        sim::WORKLOADS.to_vec()
-                    } else {
-                        vec![w]
+                match (trace.clone(), workload.as_deref()) {
+                    _ if !runs.is_empty() => {}
+                    (Some(path), _) => {
+                        let mut reqs = kvroute_tests::workload::load_mooncake(&path)?;
+                        cut_and_compress(&mut reqs, trace_seconds, speedup);
+                        runs.push((
+                            path.display().to_string(),
+                            reqs,
+                            kvroute_tests::workload::MOONCAKE_BLOCK_TOKENS,
+                        ));
+                    }
+                    (None, Some(w)) => {
+                        let names: Vec<&str> = if w == "all" {
+                            sim::WORKLOADS.to_vec()
+                        } else {
+                            vec![w]
+                        };
+                        for n in names {
+                            let rate = rate.unwrap_or(sim::default_rate(n));
+                            let reqs = sim::generated(n, 16, rate, seed)
+                                .ok_or_else(|| anyhow::anyhow!("unknown workload {n:?}"))?;
+                            runs.push((format!("{n} @ {rate} req/s"), reqs, 16));
+                        }
+                    }
+                    (None, None) => anyhow::bail!("give --trace FILE or --workload NAME"),
+                }
+                if let Some(out) = export_mooncake {
+                    let [(label, reqs, bt)] = runs.as_slice() else {
+                        anyhow::bail!("--export-mooncake writes one workload at a time");
                     };
-                    for n in names {
-                        let rate = rate.unwrap_or(sim::default_rate(n));
-                        let reqs = sim::generated(n, 16, rate, seed)
-                            .ok_or_else(|| anyhow::anyhow!("unknown workload {n:?}"))?;
-                        runs.push((format!("{n} @ {rate} req/s"), reqs, 16));
+                    anyhow::ensure!(
+                        *bt == kvroute_tests::workload::MOONCAKE_BLOCK_TOKENS,
+                        "Mooncake traces are in {}-token blocks, {label} in {bt}",
+                        kvroute_tests::workload::MOONCAKE_BLOCK_TOKENS
+                    );
+                    kvroute_tests::workload::write_mooncake(reqs, &out)?;
+                    println!(
+                        "{label}: {} requests written to {}",
+                        reqs.len(),
+                        out.display()
+                    );
+                    return Ok(());
+                }
+                for (label, reqs, bt) in &runs {
+                    let o = SimOpts {
+                        pods,
+                        capacity_blocks: capacity_blocks.unwrap_or(if *bt == 512 {
+                            1024
+                        } else {
+                            16384
+                        }),
+                        block_tokens: *bt,
+                        cost,
+                        event_delay_s: event_delay_ms / 1e3,
+                        event_loss,
+                        seed,
+                        config: config.clone(),
+                        gateways,
+                        delta_delay_s: delta_delay_ms / 1e3,
+                        replica_sync: true,
+                        text: (!text_bytes_per_token.is_empty()).then(|| sim::TextChains {
+                            block_bytes: 256,
+                            bytes_per_token: text_bytes_per_token.clone(),
+                        }),
+                        dp_ranks: dp_ranks.max(1),
+                        // The router's queue while saturated, as the config describes it.
+                        admission: config.admission.enabled.then(|| sim::SimAdmission {
+                            config: config.admission.clone(),
+                            priority: priorities.clone(),
+                            tenant: tenants.clone(),
+                        }),
+                    };
+                    let res = sim::compare(label, reqs, &o, &policies);
+                    per_seed.entry(label.clone()).or_default().push(res.clone());
+                    if let Some(p) = &svg {
+                        std::fs::write(
+                            p,
+                            sim::svg_bars(&format!("TTFT by policy: {label}"), &res),
+                        )?;
+                    }
+                    last.extend(res);
+                }
+            }
+            if seeds > 1 {
+                for (label, runs) in &per_seed {
+                    let rows = sim::summarize_seeds(runs);
+                    print!("{}", sim::seed_table(label, seed, &rows));
+                    for r in &rows {
+                        println!("{}", r.json());
                     }
                 }
-                (None, None) => anyhow::bail!("give --trace FILE or --workload NAME"),
-            }
-            if let Some(out) = export_mooncake {
-                let [(label, reqs, bt)] = runs.as_slice() else {
-                    anyhow::bail!("--export-mooncake writes one workload at a time");
-                };
-                anyhow::ensure!(
-                    *bt == kvroute_tests::workload::MOONCAKE_BLOCK_TOKENS,
-                    "Mooncake traces are in {}-token blocks, {label} in {bt}",
-                    kvroute_tests::workload::MOONCAKE_BLOCK_TOKENS
-                );
-                kvroute_tests::workload::write_mooncake(reqs, &out)?;
-                println!(
-                    "{label}: {} requests written to {}",
-                    reqs.len(),
-                    out.display()
-                );
-                return Ok(());
-            }
-            let mut last = Vec::new();
-            for (label, reqs, bt) in &runs {
-                let o = SimOpts {
-                    pods,
-                    capacity_blocks: capacity_blocks.unwrap_or(if *bt == 512 {
-                        1024
-                    } else {
-                        16384
-                    }),
-                    block_tokens: *bt,
-                    cost,
-                    event_delay_s: event_delay_ms / 1e3,
-                    event_loss,
-                    seed,
-                    config: config.clone(),
-                    gateways,
-                    delta_delay_s: delta_delay_ms / 1e3,
-                    replica_sync: true,
-                    text: (!text_bytes_per_token.is_empty()).then(|| sim::TextChains {
-                        block_bytes: 256,
-                        bytes_per_token: text_bytes_per_token.clone(),
-                    }),
-                    dp_ranks: dp_ranks.max(1),
-                    // The router's queue while saturated, as the config describes it.
-                    admission: config.admission.enabled.then(|| sim::SimAdmission {
-                        config: config.admission.clone(),
-                        priority: priorities.clone(),
-                        tenant: tenants.clone(),
-                    }),
-                };
-                let res = sim::compare(label, reqs, &o, &policies);
-                if let Some(p) = &svg {
-                    std::fs::write(p, sim::svg_bars(&format!("TTFT by policy: {label}"), &res))?;
-                }
-                last.extend(res);
             }
             for r in &last[..last.len().saturating_sub(1)] {
                 println!("{}", r.json());

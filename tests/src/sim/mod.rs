@@ -44,7 +44,10 @@ use crate::engine::CostModel;
 use crate::workload::Request;
 
 pub use baselines::Policy;
-pub use report::{by_policy, compare, infinite_cache_bound, svg_bars, Bound};
+pub use report::{
+    by_policy, compare, infinite_cache_bound, seed_table, session_balance, summarize_seeds,
+    svg_bars, Bound, SeedSummary, SessionBalance,
+};
 pub use workloads::{default_rate, generated, WORKLOADS};
 
 /// Simulated pod `k`'s id: an address, or one rank of one (`dp_ranks` > 1).
