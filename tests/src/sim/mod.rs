@@ -185,6 +185,12 @@ pub struct SimResult {
     /// Share of the requests continuing a session (an earlier request with the same
     /// session id ran) that ran on another pod than the session's previous request.
     pub session_moves: f64,
+    /// Where the prompt blocks that missed the cache went, as shares of all prompt
+    /// blocks (so `1 - hit_rate` is their sum plus the misses of requests without a
+    /// session): a session's first request, a later one on the session's previous pod
+    /// (its own new text, and what that pod evicted of the session since), a later one
+    /// moved to another pod.
+    pub missed: Misses,
     /// With admission: requests shed (TTL passed, or pushed out of a full queue),
     /// requests that waited in the queue, the most bytes it held, and figures per
     /// (priority, tenant) class.
@@ -192,6 +198,14 @@ pub struct SimResult {
     pub queued: u64,
     pub queue_peak_bytes: usize,
     pub classes: Vec<ClassFigures>,
+}
+
+/// See [`SimResult::missed`].
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Misses {
+    pub first: f64,
+    pub stayed: f64,
+    pub moved: f64,
 }
 
 /// One (priority, tenant) class's figures under admission. `dispatched_saturated`:
@@ -217,7 +231,9 @@ impl SimResult {
                "hit_rate": r(self.hit_rate), "ttft_mean_ms": r(self.ttft_mean_ms),
                "ttft_p50_ms": r(self.ttft_p50_ms), "ttft_p99_ms": r(self.ttft_p99_ms), "e2e_mean_ms": r(self.e2e_mean_ms),
                "e2e_p99_ms": r(self.e2e_p99_ms), "throughput_rps": r(self.throughput_rps), "max_mean_load": r(self.max_mean_load),
-               "mispredictions": self.mispredictions, "session_moves": r(self.session_moves), "queued": self.queued, "shed": self.shed})
+               "mispredictions": self.mispredictions, "session_moves": r(self.session_moves),
+               "missed": {"first": r(self.missed.first), "stayed": r(self.missed.stayed), "moved": r(self.missed.moved)},
+               "queued": self.queued, "shed": self.shed})
     }
 }
 
@@ -780,7 +796,8 @@ pub fn simulate_labelled(reqs: &[Request], o: &SimOpts, p: Policy, workload: &st
         - s.arrive.iter().copied().fold(f64::INFINITY, f64::min);
     let loads: Vec<f64> = s.pods.iter().map(|p| p.assigned as f64).collect();
     let mean = loads.iter().sum::<f64>() / loads.len().max(1) as f64;
-    let (continued, moved) = session_moves(reqs, &ran, &s.arrive, &s.pod_of);
+    let turns = session_turns(reqs, &ran, &s.arrive, &s.pod_of, &s.hit);
+    let share = |blocks: u64| blocks as f64 / total_blocks.max(1) as f64;
     SimResult {
         policy: p.name().to_string(),
         workload: workload.to_string(),
@@ -804,7 +821,12 @@ pub fn simulate_labelled(reqs: &[Request], o: &SimOpts, p: Policy, workload: &st
             .iter()
             .map(|g| g.sc.metrics.mispredictions.get())
             .sum(),
-        session_moves: moved as f64 / continued.max(1) as f64,
+        session_moves: turns.moved as f64 / turns.continued.max(1) as f64,
+        missed: Misses {
+            first: share(turns.missed_first),
+            stayed: share(turns.missed_stayed),
+            moved: share(turns.missed_moved),
+        },
         shed: s.shed.iter().filter(|&&x| x).count() as u64,
         queued: s.from_queue.iter().filter(|&&x| x).count() as u64,
         queue_peak_bytes: s.queue_peak_bytes,
@@ -812,23 +834,48 @@ pub fn simulate_labelled(reqs: &[Request], o: &SimOpts, p: Policy, workload: &st
     }
 }
 
-/// Of the requests `ran` that continue a session, how many there are and how many ran
-/// on another pod than the session's previous one (in arrival order).
-fn session_moves(reqs: &[Request], ran: &[usize], arrive: &[f64], pod_of: &[usize]) -> (u64, u64) {
+/// The requests `ran` by their place in a session, in arrival order: how many continue
+/// one, how many of those ran on another pod than the session's previous request, and
+/// the prompt blocks each kind missed.
+#[derive(Default)]
+struct SessionTurns {
+    continued: u64,
+    moved: u64,
+    missed_first: u64,
+    missed_stayed: u64,
+    missed_moved: u64,
+}
+
+fn session_turns(
+    reqs: &[Request],
+    ran: &[usize],
+    arrive: &[f64],
+    pod_of: &[usize],
+    hit: &[u64],
+) -> SessionTurns {
     let mut order: Vec<usize> = ran.to_vec();
     order.sort_by(|&a, &b| arrive[a].total_cmp(&arrive[b]));
     let mut last: HashMap<u64, usize> = HashMap::new();
-    let (mut continued, mut moved) = (0, 0);
+    let mut t = SessionTurns::default();
     for i in order {
         let Some(sess) = reqs[i].session else {
             continue;
         };
-        if let Some(prev) = last.insert(sess, pod_of[i]) {
-            continued += 1;
-            moved += u64::from(prev != pod_of[i]);
+        let missed = (reqs[i].chain.len() as u64).saturating_sub(hit[i]);
+        match last.insert(sess, pod_of[i]) {
+            None => t.missed_first += missed,
+            Some(prev) if prev == pod_of[i] => {
+                t.continued += 1;
+                t.missed_stayed += missed;
+            }
+            Some(_) => {
+                t.continued += 1;
+                t.moved += 1;
+                t.missed_moved += missed;
+            }
         }
     }
-    (continued, moved)
+    t
 }
 
 /// Figures per (priority, tenant) class, in class order.

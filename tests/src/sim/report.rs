@@ -188,6 +188,10 @@ pub struct SeedSummary {
     pub hit_rate: f64,
     pub max_mean_load: f64,
     pub session_moves: f64,
+    /// Prompt blocks missed by requests that stayed on their session's pod, and by
+    /// those moved off it (shares of all prompt blocks; see `SimResult::missed`).
+    pub missed_stayed: f64,
+    pub missed_moved: f64,
     /// Seeds on which this policy had the lowest TTFT mean of those compared.
     pub best_mean: usize,
 }
@@ -200,6 +204,8 @@ impl SeedSummary {
             "hit_rate": (self.hit_rate * 1e4).round() / 1e4,
             "max_mean_load": (self.max_mean_load * 100.0).round() / 100.0,
             "session_moves": (self.session_moves * 1e3).round() / 1e3,
+            "missed_stayed": (self.missed_stayed * 1e4).round() / 1e4,
+            "missed_moved": (self.missed_moved * 1e4).round() / 1e4,
             "best_mean": self.best_mean})
     }
 }
@@ -243,6 +249,8 @@ pub fn summarize_seeds(per_seed: &[Vec<SimResult>]) -> Vec<SeedSummary> {
                 hit_rate: mean(&mut runs.iter().map(|r| r.hit_rate)),
                 max_mean_load: mean(&mut runs.iter().map(|r| r.max_mean_load)),
                 session_moves: mean(&mut runs.iter().map(|r| r.session_moves)),
+                missed_stayed: mean(&mut runs.iter().map(|r| r.missed.stayed)),
+                missed_moved: mean(&mut runs.iter().map(|r| r.missed.moved)),
                 best_mean,
             }
         })
@@ -253,7 +261,7 @@ pub fn summarize_seeds(per_seed: &[Vec<SimResult>]) -> Vec<SeedSummary> {
 pub fn seed_table(label: &str, first_seed: u64, rows: &[SeedSummary]) -> String {
     let n = rows.first().map_or(0, |r| r.seeds);
     let mut s = format!(
-        "{label}: over seeds {first_seed}-{} (TTFT: geometric means)\n  {:<18} {:>8} {:>11} {:>10} {:>9} {:>7} {:>10}\n",
+        "{label}: over seeds {first_seed}-{} (TTFT: geometric means)\n  {:<18} {:>8} {:>11} {:>10} {:>9} {:>7} {:>12} {:>11} {:>10}\n",
         first_seed + n.max(1) as u64 - 1,
         "policy",
         "hit",
@@ -261,17 +269,21 @@ pub fn seed_table(label: &str, first_seed: u64, rows: &[SeedSummary]) -> String 
         "TTFT p99",
         "max/mean",
         "moved",
+        "missed/stay",
+        "missed/move",
         "best mean"
     );
     for r in rows {
         s += &format!(
-            "  {:<18} {:>8.4} {:>9.1}ms {:>8.1}s {:>9.2} {:>7.3} {:>6} of {}\n",
+            "  {:<18} {:>8.4} {:>9.1}ms {:>8.1}s {:>9.2} {:>7.3} {:>12.4} {:>11.4} {:>5} of {}\n",
             r.policy,
             r.hit_rate,
             r.ttft_mean_ms,
             r.ttft_p99_ms / 1e3,
             r.max_mean_load,
             r.session_moves,
+            r.missed_stayed,
+            r.missed_moved,
             r.best_mean,
             r.seeds
         );
