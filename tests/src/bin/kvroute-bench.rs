@@ -198,6 +198,80 @@ enum Cmd {
 }
 
 /// A trace's first `seconds` (all of it without), then its clock `speedup` times faster.
+/// The workloads `kvroute-bench sim` was asked for: agentic sessions, a Mooncake trace or
+/// generated workloads (the first of those given).
+struct SimWorkloads<'a> {
+    agentic: Option<&'a std::path::Path>,
+    session_gap_s: f64,
+    trace: Option<&'a std::path::Path>,
+    workload: Option<&'a str>,
+    rate: Option<f64>,
+    trace_seconds: Option<f64>,
+    speedup: f64,
+}
+
+impl SimWorkloads<'_> {
+    /// Each workload's label, requests (those that depend on the seed drawn with it) and
+    /// block size in tokens.
+    fn load(
+        &self,
+        seed: u64,
+    ) -> anyhow::Result<Vec<(String, Vec<kvroute_tests::workload::Request>, u32)>> {
+        use kvroute_tests::{sim, workload};
+        if let Some(p) = self.agentic {
+            let path = if p.as_os_str() == "shipped" {
+                workload::default_agentic()
+            } else {
+                p.to_path_buf()
+            };
+            let bt = workload::MOONCAKE_BLOCK_TOKENS;
+            let mut reqs = workload::load_agentic(
+                &path,
+                workload::AgenticOpts {
+                    block_tokens: bt,
+                    mean_gap_s: self.session_gap_s,
+                    seed,
+                },
+            )?;
+            cut_and_compress(&mut reqs, self.trace_seconds, self.speedup);
+            let label = format!(
+                "agentic sessions ({}), {} s mean start gap",
+                path.display(),
+                self.session_gap_s
+            );
+            return Ok(vec![(label, reqs, bt)]);
+        }
+        match (self.trace, self.workload) {
+            (Some(path), _) => {
+                let mut reqs = workload::load_mooncake(path)?;
+                cut_and_compress(&mut reqs, self.trace_seconds, self.speedup);
+                Ok(vec![(
+                    path.display().to_string(),
+                    reqs,
+                    workload::MOONCAKE_BLOCK_TOKENS,
+                )])
+            }
+            (None, Some(w)) => {
+                let names: Vec<&str> = if w == "all" {
+                    sim::WORKLOADS.to_vec()
+                } else {
+                    vec![w]
+                };
+                names
+                    .into_iter()
+                    .map(|n| {
+                        let rate = self.rate.unwrap_or(sim::default_rate(n));
+                        let reqs = sim::generated(n, 16, rate, seed)
+                            .ok_or_else(|| anyhow::anyhow!("unknown workload {n:?}"))?;
+                        Ok((format!("{n} @ {rate} req/s"), reqs, 16))
+                    })
+                    .collect()
+            }
+            (None, None) => anyhow::bail!("give --trace FILE or --workload NAME"),
+        }
+    }
+}
+
 fn cut_and_compress(
     reqs: &mut Vec<kvroute_tests::workload::Request>,
     seconds: Option<f64>,
@@ -327,77 +401,35 @@ fn main() -> anyhow::Result<()> {
             // Workload label → each seed's results, for the table over seeds.
             let mut per_seed: std::collections::BTreeMap<String, Vec<Vec<sim::SimResult>>> =
                 Default::default();
+            let w = SimWorkloads {
+                agentic: agentic.as_deref(),
+                session_gap_s,
+                trace: trace.as_deref(),
+                workload: workload.as_deref(),
+                rate,
+                trace_seconds,
+                speedup,
+            };
+            if let Some(out) = export_mooncake {
+                let runs = w.load(seed)?;
+                let [(label, reqs, bt)] = runs.as_slice() else {
+                    anyhow::bail!("--export-mooncake writes one workload at a time");
+                };
+                anyhow::ensure!(
+                    *bt == kvroute_tests::workload::MOONCAKE_BLOCK_TOKENS,
+                    "Mooncake traces are in {}-token blocks, {label} in {bt}",
+                    kvroute_tests::workload::MOONCAKE_BLOCK_TOKENS
+                );
+                kvroute_tests::workload::write_mooncake(reqs, &out)?;
+                println!(
+                    "{label}: {} requests written to {}",
+                    reqs.len(),
+                    out.display()
+                );
+                return Ok(());
+            }
             for seed in seed..seed + seeds {
-                let mut runs: Vec<(String, Vec<kvroute_tests::workload::Request>, u32)> =
-                    Vec::new();
-                if let Some(p) = agentic.clone() {
-                    let path = if p.as_os_str() == "shipped" {
-                        kvroute_tests::workload::default_agentic()
-                    } else {
-                        p
-                    };
-                    let bt = kvroute_tests::workload::MOONCAKE_BLOCK_TOKENS;
-                    let mut reqs = kvroute_tests::workload::load_agentic(
-                        &path,
-                        kvroute_tests::workload::AgenticOpts {
-                            block_tokens: bt,
-                            mean_gap_s: session_gap_s,
-                            seed,
-                        },
-                    )?;
-                    cut_and_compress(&mut reqs, trace_seconds, speedup);
-                    runs.push((
-                        format!(
-                            "agentic sessions ({}), {session_gap_s} s mean start gap",
-                            path.display()
-                        ),
-                        reqs,
-                        bt,
-                    ));
-                }
-                match (trace.clone(), workload.as_deref()) {
-                    _ if !runs.is_empty() => {}
-                    (Some(path), _) => {
-                        let mut reqs = kvroute_tests::workload::load_mooncake(&path)?;
-                        cut_and_compress(&mut reqs, trace_seconds, speedup);
-                        runs.push((
-                            path.display().to_string(),
-                            reqs,
-                            kvroute_tests::workload::MOONCAKE_BLOCK_TOKENS,
-                        ));
-                    }
-                    (None, Some(w)) => {
-                        let names: Vec<&str> = if w == "all" {
-                            sim::WORKLOADS.to_vec()
-                        } else {
-                            vec![w]
-                        };
-                        for n in names {
-                            let rate = rate.unwrap_or(sim::default_rate(n));
-                            let reqs = sim::generated(n, 16, rate, seed)
-                                .ok_or_else(|| anyhow::anyhow!("unknown workload {n:?}"))?;
-                            runs.push((format!("{n} @ {rate} req/s"), reqs, 16));
-                        }
-                    }
-                    (None, None) => anyhow::bail!("give --trace FILE or --workload NAME"),
-                }
-                if let Some(out) = export_mooncake {
-                    let [(label, reqs, bt)] = runs.as_slice() else {
-                        anyhow::bail!("--export-mooncake writes one workload at a time");
-                    };
-                    anyhow::ensure!(
-                        *bt == kvroute_tests::workload::MOONCAKE_BLOCK_TOKENS,
-                        "Mooncake traces are in {}-token blocks, {label} in {bt}",
-                        kvroute_tests::workload::MOONCAKE_BLOCK_TOKENS
-                    );
-                    kvroute_tests::workload::write_mooncake(reqs, &out)?;
-                    println!(
-                        "{label}: {} requests written to {}",
-                        reqs.len(),
-                        out.display()
-                    );
-                    return Ok(());
-                }
+                let runs = w.load(seed)?;
                 for (label, reqs, bt) in &runs {
                     let o = SimOpts {
                         pods,

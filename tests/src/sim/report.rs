@@ -192,7 +192,8 @@ pub struct SeedSummary {
     /// those moved off it (shares of all prompt blocks; see `SimResult::missed`).
     pub missed_stayed: f64,
     pub missed_moved: f64,
-    /// Seeds on which this policy had the lowest TTFT mean of those compared.
+    /// Seeds on which this policy had the lowest TTFT mean of those compared (a tie goes
+    /// to the one listed first).
     pub best_mean: usize,
 }
 
@@ -215,14 +216,15 @@ pub fn summarize_seeds(per_seed: &[Vec<SimResult>]) -> Vec<SeedSummary> {
     let Some(first) = per_seed.first() else {
         return Vec::new();
     };
-    let geo = |v: &mut dyn Iterator<Item = f64>| {
-        let (sum, n) = v.fold((0.0, 0usize), |(s, n), x| (s + x.max(1e-9).ln(), n + 1));
-        (sum / n.max(1) as f64).exp()
-    };
-    let mean = |v: &mut dyn Iterator<Item = f64>| {
-        let (sum, n) = v.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
-        sum / n.max(1) as f64
-    };
+    // Each seed's policy with the lowest TTFT mean.
+    let winners: Vec<&str> = per_seed
+        .iter()
+        .filter_map(|rs| {
+            rs.iter()
+                .min_by(|a, b| a.ttft_mean_ms.total_cmp(&b.ttft_mean_ms))
+                .map(|r| r.policy.as_str())
+        })
+        .collect();
     first
         .iter()
         .map(|r0| {
@@ -230,28 +232,22 @@ pub fn summarize_seeds(per_seed: &[Vec<SimResult>]) -> Vec<SeedSummary> {
                 .iter()
                 .filter_map(|rs| rs.iter().find(|r| r.policy == r0.policy))
                 .collect();
-            let best_mean = per_seed
-                .iter()
-                .filter(|rs| {
-                    let best = rs
-                        .iter()
-                        .map(|r| r.ttft_mean_ms)
-                        .fold(f64::INFINITY, f64::min);
-                    rs.iter()
-                        .any(|r| r.policy == r0.policy && r.ttft_mean_ms <= best)
-                })
-                .count();
+            let n = runs.len().max(1) as f64;
+            let mean = |f: fn(&SimResult) -> f64| runs.iter().map(|r| f(r)).sum::<f64>() / n;
+            let geo = |f: fn(&SimResult) -> f64| {
+                (runs.iter().map(|r| f(r).max(1e-9).ln()).sum::<f64>() / n).exp()
+            };
             SeedSummary {
                 policy: r0.policy.clone(),
                 seeds: runs.len(),
-                ttft_mean_ms: geo(&mut runs.iter().map(|r| r.ttft_mean_ms)),
-                ttft_p99_ms: geo(&mut runs.iter().map(|r| r.ttft_p99_ms)),
-                hit_rate: mean(&mut runs.iter().map(|r| r.hit_rate)),
-                max_mean_load: mean(&mut runs.iter().map(|r| r.max_mean_load)),
-                session_moves: mean(&mut runs.iter().map(|r| r.session_moves)),
-                missed_stayed: mean(&mut runs.iter().map(|r| r.missed.stayed)),
-                missed_moved: mean(&mut runs.iter().map(|r| r.missed.moved)),
-                best_mean,
+                ttft_mean_ms: geo(|r| r.ttft_mean_ms),
+                ttft_p99_ms: geo(|r| r.ttft_p99_ms),
+                hit_rate: mean(|r| r.hit_rate),
+                max_mean_load: mean(|r| r.max_mean_load),
+                session_moves: mean(|r| r.session_moves),
+                missed_stayed: mean(|r| r.missed.stayed),
+                missed_moved: mean(|r| r.missed.moved),
+                best_mean: winners.iter().filter(|w| **w == r0.policy).count(),
             }
         })
         .collect()
