@@ -216,8 +216,9 @@ impl TextKind {
 
 /// A multi-turn chat load: `users` conversations of `turns` turns, each opened with one
 /// of `system_prompts` shared system prompts of ~`system_bytes`, each turn ~`turn_bytes`
-/// from the user and as much from the assistant. User `u` writes `kinds[u % len]`.
-/// Every seed gives fresh prefixes (system prompts included).
+/// from the user and as much written for the assistant, which [`run`] replaces with the
+/// model's own answers as a chat client does. User `u` writes `kinds[u % len]`. Every
+/// seed gives fresh prefixes (system prompts included).
 #[derive(Clone, Copy, Debug)]
 pub struct ChatLoad {
     pub users: usize,
@@ -290,6 +291,54 @@ pub struct Outcome {
     pub pod: String,
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
+    /// The text the model answered (streamed deltas joined), if it answered.
+    pub reply: Option<String>,
+}
+
+/// What a chat client sends as turn `k + 1`: its conversation with the model's own
+/// answers in it. The `i`-th assistant message of a later call becomes the reply the
+/// session's `i`-th call got (a call that got none keeps the text the load wrote). A
+/// load that resent text the model never said would miss the cache on every assistant
+/// turn, which no real client does.
+fn with_replies<'a>(c: &'a Call, replies: &[Option<String>]) -> std::borrow::Cow<'a, Call> {
+    let Call::Chat(body) = c else {
+        return std::borrow::Cow::Borrowed(c);
+    };
+    if replies.iter().all(Option::is_none) {
+        return std::borrow::Cow::Borrowed(c);
+    }
+    let mut body = body.clone();
+    if let Some(msgs) = body["messages"].as_array_mut() {
+        let assistants = msgs.iter_mut().filter(|m| m["role"] == "assistant");
+        for (m, r) in assistants.zip(replies) {
+            if let Some(r) = r {
+                m["content"] = Value::String(r.clone());
+            }
+        }
+    }
+    std::borrow::Cow::Owned(Call::Chat(body))
+}
+
+/// The answer's text: streamed deltas (chat or completions) joined, or a whole body's.
+fn reply_text(body: &str) -> Option<String> {
+    let piece = |v: &Value| -> Option<String> {
+        let c = &v["choices"][0];
+        c["delta"]["content"]
+            .as_str()
+            .or_else(|| c["message"]["content"].as_str())
+            .or_else(|| c["text"].as_str())
+            .map(str::to_owned)
+    };
+    if let Ok(v) = serde_json::from_str::<Value>(body) {
+        return piece(&v);
+    }
+    let parts: Vec<String> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|v| piece(&v))
+        .collect();
+    (!parts.is_empty()).then(|| parts.concat())
 }
 
 async fn call(http: &reqwest::Client, base: &str, c: &Call) -> Outcome {
@@ -334,6 +383,7 @@ async fn call(http: &reqwest::Client, base: &str, c: &Call) -> Outcome {
         cached_tokens: usage["prompt_tokens_details"]["cached_tokens"]
             .as_u64()
             .unwrap_or(0),
+        reply: if ok { reply_text(&text) } else { None },
     }
 }
 
@@ -359,8 +409,13 @@ pub async fn run(
             );
             async move {
                 let mut out = Vec::new();
+                let mut replies = Vec::new();
                 for c in &s {
-                    out.push(call(&http, &base, c).await);
+                    let o = call(&http, &base, &with_replies(c, &replies)).await;
+                    if matches!(c, Call::Chat(_)) {
+                        replies.push(o.reply.clone());
+                    }
+                    out.push(o);
                     let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
                     progress(n, total);
                 }
@@ -581,4 +636,48 @@ pub fn svg_cdf(title: &str, series: &[(&str, &[f64], &str)]) -> String {
         );
     }
     s + "</svg>\n"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_later_turn_carries_the_answers_the_session_got() {
+        let body = json!({"model": "m", "messages": [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "q1"},
+            {"role": "assistant", "content": "written a1"},
+            {"role": "user", "content": "q2"},
+            {"role": "assistant", "content": "written a2"},
+            {"role": "user", "content": "q3"}]});
+        let c = Call::Chat(body);
+        // The first call got an answer, the second none (it failed): the second keeps
+        // the text the load wrote.
+        let Call::Chat(sent) = with_replies(&c, &[Some("t0 t1 ".into()), None]).into_owned() else {
+            panic!("a chat call stays a chat call");
+        };
+        assert_eq!(sent["messages"][2]["content"], "t0 t1 ");
+        assert_eq!(sent["messages"][4]["content"], "written a2");
+        assert_eq!(sent["messages"][5]["content"], "q3");
+        // Nothing answered yet: the call is sent as written, not copied.
+        assert!(matches!(
+            with_replies(&c, &[]),
+            std::borrow::Cow::Borrowed(_)
+        ));
+    }
+
+    #[test]
+    fn the_answer_is_read_from_a_stream_or_a_whole_body() {
+        let sse = "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\"}}]}\n\n\
+                   data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"t0 \"}}]}\n\n\
+                   data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"t1 \"}}]}\n\n\
+                   data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9}}\n\n\
+                   data: [DONE]\n\n";
+        assert_eq!(reply_text(sse).as_deref(), Some("t0 t1 "));
+        let whole = r#"{"choices":[{"index":0,"message":{"role":"assistant","content":"hi"}}]}"#;
+        assert_eq!(reply_text(whole).as_deref(), Some("hi"));
+        assert_eq!(reply_text("data: [DONE]\n\n"), None);
+        assert_eq!(reply_text(r#"{"error":{"message":"no"}}"#), None);
+    }
 }
