@@ -227,13 +227,26 @@ pub struct ClassFigures {
 impl SimResult {
     pub fn json(&self) -> serde_json::Value {
         let r = |x: f64| (x * 1000.0).round() / 1000.0;
-        json!({"workload": self.workload, "gateways": self.gateways, "policy": self.policy,
+        let mut v = json!({"workload": self.workload, "gateways": self.gateways, "policy": self.policy,
                "hit_rate": r(self.hit_rate), "ttft_mean_ms": r(self.ttft_mean_ms),
                "ttft_p50_ms": r(self.ttft_p50_ms), "ttft_p99_ms": r(self.ttft_p99_ms), "e2e_mean_ms": r(self.e2e_mean_ms),
                "e2e_p99_ms": r(self.e2e_p99_ms), "throughput_rps": r(self.throughput_rps), "max_mean_load": r(self.max_mean_load),
                "mispredictions": self.mispredictions, "session_moves": r(self.session_moves),
                "missed": {"first": r(self.missed.first), "stayed": r(self.missed.stayed), "moved": r(self.missed.moved)},
-               "queued": self.queued, "shed": self.shed})
+               "queued": self.queued, "shed": self.shed});
+        // Per (priority, tenant) class, with admission only.
+        if !self.classes.is_empty() {
+            v["classes"] = self
+                .classes
+                .iter()
+                .map(|c| {
+                    json!({"priority": c.priority, "tenant": c.tenant, "requests": c.requests,
+                           "served": c.served, "shed": c.shed,
+                           "ttft_mean_ms": r(c.ttft_mean_ms), "ttft_p99_ms": r(c.ttft_p99_ms)})
+                })
+                .collect();
+        }
+        v
     }
 }
 
