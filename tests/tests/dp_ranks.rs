@@ -16,6 +16,10 @@ const MODEL: &str = "m";
 /// Time between a turn's answer and the next turn.
 const THINK: std::time::Duration = std::time::Duration::from_millis(150);
 
+/// The share of later turns' prompt tokens that [`conversations`] of 5 turns can find
+/// cached: turn t (1-4) sends 256 + 64t tokens, of which 256 + 64(t-1) were sent before.
+const CEILING: f64 = (256.0 + 320.0 + 384.0 + 448.0) / (320.0 + 384.0 + 448.0 + 512.0);
+
 /// `n` conversations of `turns` turns (distinct per `seed`), each turn the previous
 /// prompt plus 64 new tokens, the conversations of a turn sent at once (so ranks are
 /// busy and an engine left to itself spreads them): the engine-reported share of turns
@@ -170,8 +174,16 @@ async fn conversations_stay_on_their_rank_through_both_front_doors() {
                 .all(|p| p.starts_with(&format!("{}@", engine.addr))),
             "{door}: served by ranks: {distinct:?}"
         );
+        // Every later turn finds all of its conversation's earlier turns: the ceiling.
         assert!(
-            hit >= 1.5 * blind,
+            hit >= CEILING - 0.01,
+            "{door}: later turns cached {hit:.3}, ceiling {CEILING:.3}"
+        );
+        // How far the engine's own balancing falls short depends on how arrivals happen
+        // to interleave (0.33-0.46 on a quiet machine, 0.58 once beside a build), so the
+        // margin asked of the ranks is absolute, not a ratio.
+        assert!(
+            hit >= blind + 0.1,
             "{door}: {hit:.3} vs engine-balanced {blind:.3}"
         );
     }
