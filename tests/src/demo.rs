@@ -319,26 +319,34 @@ fn with_replies<'a>(c: &'a Call, replies: &[Option<String>]) -> std::borrow::Cow
     std::borrow::Cow::Owned(Call::Chat(body))
 }
 
-/// The answer's text: streamed deltas (chat or completions) joined, or a whole body's.
-fn reply_text(body: &str) -> Option<String> {
-    let piece = |v: &Value| -> Option<String> {
-        let c = &v["choices"][0];
-        c["delta"]["content"]
-            .as_str()
-            .or_else(|| c["message"]["content"].as_str())
-            .or_else(|| c["text"].as_str())
-            .map(str::to_owned)
+/// What a response said: its `usage` (the last event that carries one) and the answer's
+/// text (streamed deltas, chat or completions, joined; or a whole body's). Each event is
+/// parsed once for both.
+fn read_answer(body: &str) -> (Value, Option<String>) {
+    let events: Vec<Value> = match serde_json::from_str::<Value>(body) {
+        Ok(v) => vec![v],
+        Err(_) => body
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+            .collect(),
     };
-    if let Ok(v) = serde_json::from_str::<Value>(body) {
-        return piece(&v);
-    }
-    let parts: Vec<String> = body
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
-        .filter_map(|v| piece(&v))
+    let usage = events
+        .iter()
+        .rev()
+        .find(|v| v["usage"].is_object())
+        .map_or(Value::Null, |v| v["usage"].clone());
+    let pieces: Vec<&str> = events
+        .iter()
+        .filter_map(|v| {
+            let c = &v["choices"][0];
+            c["delta"]["content"]
+                .as_str()
+                .or_else(|| c["message"]["content"].as_str())
+                .or_else(|| c["text"].as_str())
+        })
         .collect();
-    (!parts.is_empty()).then(|| parts.concat())
+    (usage, (!pieces.is_empty()).then(|| pieces.concat()))
 }
 
 async fn call(http: &reqwest::Client, base: &str, c: &Call) -> Outcome {
@@ -365,15 +373,7 @@ async fn call(http: &reqwest::Client, base: &str, c: &Call) -> Outcome {
         buf.extend_from_slice(&chunk);
     }
     let e2e = t0.elapsed();
-    let text = String::from_utf8_lossy(&buf);
-    let usage = text
-        .lines()
-        .rev()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
-        .find(|v| v["usage"].is_object())
-        .map(|v| v["usage"].clone())
-        .unwrap_or(Value::Null);
+    let (usage, reply) = read_answer(&String::from_utf8_lossy(&buf));
     Outcome {
         ok,
         ttft: ttft.unwrap_or(e2e),
@@ -383,7 +383,7 @@ async fn call(http: &reqwest::Client, base: &str, c: &Call) -> Outcome {
         cached_tokens: usage["prompt_tokens_details"]["cached_tokens"]
             .as_u64()
             .unwrap_or(0),
-        reply: if ok { reply_text(&text) } else { None },
+        reply: reply.filter(|_| ok),
     }
 }
 
@@ -674,7 +674,13 @@ mod tests {
                    data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"t1 \"}}]}\n\n\
                    data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9}}\n\n\
                    data: [DONE]\n\n";
+        let reply_text = |b: &str| read_answer(b).1;
         assert_eq!(reply_text(sse).as_deref(), Some("t0 t1 "));
+        assert_eq!(
+            read_answer(sse).0["prompt_tokens"],
+            9,
+            "usage from the same pass"
+        );
         let whole = r#"{"choices":[{"index":0,"message":{"role":"assistant","content":"hi"}}]}"#;
         assert_eq!(reply_text(whole).as_deref(), Some("hi"));
         assert_eq!(reply_text("data: [DONE]\n\n"), None);
