@@ -6,6 +6,9 @@
 //! - the 21st turn of a conversation with ~100 KB of history that adds ~1 KB, vs the bare
 //!   encode of that 1 KB (target ≤ 1.5×) and vs re-encoding the whole conversation
 //!   (target ≥ 20× faster);
+//! - a Claude Code-shaped turn of ~100k tokens (tools, system prompt and history of the
+//!   shipped sessions' median sizes) vs the bare encode of its ~2.5 KB of new text
+//!   (target ≤ 1.5×), with the part that grows with the history split out;
 //! - a cold ~128k-token prompt; memory held per loaded tokenizer and per cached MB
 //!   (counted at the allocator);
 //!   in-process route throughput with and without tokenization.
@@ -82,6 +85,34 @@ fn prose(rng: &mut Rng, bytes: usize) -> String {
         s.push(if rng.below(12) == 0 { '\n' } else { ' ' });
     }
     s
+}
+
+/// A Claude Code conversation of 20 turns (text, a tool use, its result each) with
+/// tool definitions and a system prompt of the shipped sessions' median sizes.
+fn claude_code_shaped(rng: &mut Rng) -> (Vec<Value>, Value, Value) {
+    let mut turns: Vec<Value> = Vec::new();
+    for k in 0..20 {
+        turns.push(json!({"role": "user", "content": [{"type": "text", "text": prose(rng, 600)}]}));
+        turns.push(json!({"role": "assistant", "content": [
+            {"type": "text", "text": prose(rng, 800)},
+            {"type": "tool_use", "id": format!("toolu_{k}"), "name": "Read",
+             "input": {"file_path": format!("/repo/src/module_{k}.rs")}}]}));
+        turns.push(json!({"role": "user", "content": [{"type": "tool_result",
+            "tool_use_id": format!("toolu_{k}"), "content": prose(rng, 15_500)}]}));
+    }
+    let system = json!([
+        {"type": "text", "text": "x-anthropic-billing-header: cc_version=2; cch=00000;"},
+        {"type": "text", "text": prose(rng, 11_000), "cache_control": {"type": "ephemeral"}}]);
+    let tools: Vec<Value> = (0..18)
+        .map(|k| {
+            json!({"name": format!("Tool{k}"), "description": prose(rng, 2_200),
+                   "input_schema": {"type": "object", "required": ["path"], "properties": {
+                       "path": {"type": "string", "description": prose(rng, 200)},
+                       "limit": {"type": "integer", "description": prose(rng, 120)},
+                       "mode": {"type": "string", "enum": ["a", "b", "c"]}}}})
+        })
+        .collect();
+    (turns, system, Value::from(tools))
 }
 
 fn sidecar(t: ModelTokenizer) -> std::sync::Arc<Sidecar> {
@@ -283,6 +314,61 @@ pub fn run(o: &Opts) -> anyhow::Result<Value> {
         mturn50 as f64 / mbare50.max(1) as f64
     );
 
+    // 2c. The target's own shape: a Claude Code turn of ~100k tokens. Sized from the
+    // shipped sessions (tests/data/agentic): tool definitions of ~12k tokens and a
+    // system prompt of ~3k (their medians), a history of 20 turns whose tool results
+    // carry the rest (~340 KB of text in 61 messages), and as new text the median that a
+    // turn of a 50k+ token prompt adds to the one before (~625 tokens, ~2.5 KB). Split:
+    // the same body routed a second time (its new text then cached too) is the part
+    // that grows with the history.
+    let (cc_turns, cc_system, cc_tools) = claude_code_shaped(&mut rng);
+    let cc_req = |msgs: &[Value]| {
+        let body = json!({"model": "m", "max_tokens": 32000, "system": cc_system,
+                          "tools": cc_tools, "messages": msgs, "stream": true});
+        RouteRequest {
+            prompt_body: kvroute_shared::protocol::PromptBody::extract(
+                kvroute_shared::protocol::PromptApi::Messages,
+                "",
+                body.to_string().as_bytes(),
+            )
+            .ok(),
+            ..chat_req(&json!({"messages": []}))
+        }
+    };
+    let cc_bytes = cc_req(&cc_turns)
+        .prompt_body
+        .map_or(0, |b| b.fields.get().len());
+    route(&sc, &cc_req(&cc_turns)).map_err(|e| anyhow::anyhow!("route: {e}"))?;
+    let (mut cturn, mut cbare, mut chist) =
+        (Samples::default(), Samples::default(), Samples::default());
+    let mut cc_tokens = 0;
+    for _ in 0..n {
+        let new = prose(&mut rng, 2500);
+        let mut msgs = cc_turns.clone();
+        msgs.push(json!({"role": "user", "content": [{"type": "tool_result",
+            "tool_use_id": "toolu_19", "content": new.clone()}]}));
+        let req = cc_req(&msgs);
+        let _ = cbare.time(|| bare.encode_whole(&new, false));
+        let r = cturn.time(|| route(&sc, &req));
+        anyhow::ensure!(r.is_ok(), "route: {r:?}");
+        let r = chist.time(|| route(&sc, &req));
+        anyhow::ensure!(r.is_ok(), "route: {r:?}");
+        if cc_tokens == 0 {
+            cc_tokens = kvroute_sidecar::precise(&sc, &req)
+                .ok_or_else(|| anyhow::anyhow!("the Claude Code-shaped body was not tokenized"))?
+                .prompt_tokens;
+        }
+    }
+    let (cturn50, cbare50, chist50) = (cturn.pct(50.0), cbare.pct(50.0), chist.pct(50.0));
+    println!(
+        "  Claude Code-shaped turn ({cc_tokens} tokens: {} KB body, 61 messages, ~12k tokens of tools; 2.5 KB new): p50 {:.0} us; bare encode of the new text {:.0} us ({:.2}x); of which the history's part (the same body again) {:.0} us",
+        cc_bytes / 1024,
+        cturn50 as f64 / 1e3,
+        cbare50 as f64 / 1e3,
+        cturn50 as f64 / cbare50.max(1) as f64,
+        chist50 as f64 / 1e3,
+    );
+
     // 3. A cold prompt of ~128k tokens (completions: encoded whole, special tokens added).
     let big = prose(&mut rng, 128 * 1024 * 4);
     let t0 = Instant::now();
@@ -319,6 +405,10 @@ pub fn run(o: &Opts) -> anyhow::Result<Value> {
         "turn21_ratio": turn50 as f64 / bare1_50.max(1) as f64,
         "messages_turn21_p50_us": mturn50 as f64 / 1e3,
         "messages_turn21_ratio": mturn50 as f64 / mbare50.max(1) as f64,
+        "claude_code_turn_tokens": cc_tokens,
+        "claude_code_turn_p50_us": cturn50 as f64 / 1e3,
+        "claude_code_turn_ratio": cturn50 as f64 / cbare50.max(1) as f64,
+        "claude_code_turn_history_p50_us": chist50 as f64 / 1e3,
         "reencode_conversation_p50_us": whole50 as f64 / 1e3,
         "turn21_speedup_vs_reencode": whole50 as f64 / turn50.max(1) as f64,
         "turn21_parse_render_p50_us": render50 as f64 / 1e3,
