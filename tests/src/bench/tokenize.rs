@@ -144,6 +144,19 @@ fn chat_req(body: &Value) -> RouteRequest {
     crate::client::chat_route_req("m", body)
 }
 
+/// A route call for a `/v1/messages` body, its template fields sent as the filter sends them.
+fn messages_route_req(body: &Value) -> RouteRequest {
+    RouteRequest {
+        prompt_body: kvroute_shared::protocol::PromptBody::extract(
+            kvroute_shared::protocol::PromptApi::Messages,
+            "",
+            body.to_string().as_bytes(),
+        )
+        .ok(),
+        ..chat_req(&json!({"messages": []}))
+    }
+}
+
 pub fn run(o: &Opts) -> anyhow::Result<Value> {
     let dir = model_dir(o)?;
     println!("kvroute-bench tokenize: {}", dir.display());
@@ -282,16 +295,9 @@ pub fn run(o: &Opts) -> anyhow::Result<Value> {
     let tools = json!([{"name": "read_file", "description": "Read a file.",
                         "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]);
     let messages_req = |msgs: &[Value]| {
-        let body = json!({"model": "m", "max_tokens": 1024, "system": system, "tools": tools, "messages": msgs});
-        RouteRequest {
-            prompt_body: kvroute_shared::protocol::PromptBody::extract(
-                kvroute_shared::protocol::PromptApi::Messages,
-                "",
-                body.to_string().as_bytes(),
-            )
-            .ok(),
-            ..chat_req(&json!({"messages": []}))
-        }
+        messages_route_req(
+            &json!({"model": "m", "max_tokens": 1024, "system": system, "tools": tools, "messages": msgs}),
+        )
     };
     route(&sc, &messages_req(&turns)).map_err(|e| anyhow::anyhow!("route: {e}"))?;
     let (mut mturn, mut mbare) = (Samples::default(), Samples::default());
@@ -323,17 +329,10 @@ pub fn run(o: &Opts) -> anyhow::Result<Value> {
     // that grows with the history.
     let (cc_turns, cc_system, cc_tools) = claude_code_shaped(&mut rng);
     let cc_req = |msgs: &[Value]| {
-        let body = json!({"model": "m", "max_tokens": 32000, "system": cc_system,
-                          "tools": cc_tools, "messages": msgs, "stream": true});
-        RouteRequest {
-            prompt_body: kvroute_shared::protocol::PromptBody::extract(
-                kvroute_shared::protocol::PromptApi::Messages,
-                "",
-                body.to_string().as_bytes(),
-            )
-            .ok(),
-            ..chat_req(&json!({"messages": []}))
-        }
+        messages_route_req(
+            &json!({"model": "m", "max_tokens": 32000, "system": cc_system,
+                                   "tools": cc_tools, "messages": msgs, "stream": true}),
+        )
     };
     let cc_bytes = cc_req(&cc_turns)
         .prompt_body
