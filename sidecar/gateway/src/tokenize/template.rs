@@ -740,11 +740,8 @@ fn tojson(v: Value, kwargs: Kwargs) -> Result<Value, Error> {
             "tojson: an undefined value is not JSON serializable",
         ));
     }
-    let mut json = serde_json::to_value(&v)
-        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
-    if sort_keys.unwrap_or(false) {
-        sort(&mut json);
-    }
+    let fail =
+        |e: serde_json::Error| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}"));
     let mut buf = Vec::new();
     let fmt = PyFormatter {
         indent,
@@ -752,8 +749,15 @@ fn tojson(v: Value, kwargs: Kwargs) -> Result<Value, Error> {
         has_value: false,
     };
     let mut ser = serde_json::Serializer::with_formatter(&mut buf, fmt);
-    json.serialize(&mut ser)
-        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    if sort_keys.unwrap_or(false) {
+        let mut json = serde_json::to_value(&v).map_err(fail)?;
+        sort(&mut json);
+        json.serialize(&mut ser).map_err(fail)?;
+    } else {
+        // Straight from the template's value, not through a copy as a JSON tree (a
+        // coding agent's tool definitions are tens of KB, printed on every turn).
+        v.serialize(&mut ser).map_err(fail)?;
+    }
     let s = String::from_utf8(buf)
         .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     // A plain string, as transformers' `tojson` returns (Jinja2's own returns Markup):
