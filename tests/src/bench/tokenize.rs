@@ -329,15 +329,16 @@ pub fn run(o: &Opts) -> anyhow::Result<Value> {
     // that grows with the history.
     let (cc_turns, cc_system, cc_tools) = claude_code_shaped(&mut rng);
     let cc_req = |msgs: &[Value]| {
-        messages_route_req(
-            &json!({"model": "m", "max_tokens": 32000, "system": cc_system,
-                                   "tools": cc_tools, "messages": msgs, "stream": true}),
-        )
+        messages_route_req(&json!({"model": "m", "max_tokens": 32000, "stream": true,
+            "system": cc_system, "tools": cc_tools, "messages": msgs}))
     };
-    let cc_bytes = cc_req(&cc_turns)
+    // The history was routed before (the previous turn): its pieces are in the cache.
+    let previous = cc_req(&cc_turns);
+    let cc_bytes = previous
         .prompt_body
+        .as_ref()
         .map_or(0, |b| b.fields.get().len());
-    route(&sc, &cc_req(&cc_turns)).map_err(|e| anyhow::anyhow!("route: {e}"))?;
+    route(&sc, &previous).map_err(|e| anyhow::anyhow!("route: {e}"))?;
     let (mut cturn, mut cbare, mut chist) =
         (Samples::default(), Samples::default(), Samples::default());
     let mut cc_tokens = 0;
@@ -345,7 +346,7 @@ pub fn run(o: &Opts) -> anyhow::Result<Value> {
         let new = prose(&mut rng, 2500);
         let mut msgs = cc_turns.clone();
         msgs.push(json!({"role": "user", "content": [{"type": "tool_result",
-            "tool_use_id": "toolu_19", "content": new.clone()}]}));
+            "tool_use_id": "toolu_19", "content": &new}]}));
         let req = cc_req(&msgs);
         let _ = cbare.time(|| bare.encode_whole(&new, false));
         let r = cturn.time(|| route(&sc, &req));
@@ -360,8 +361,9 @@ pub fn run(o: &Opts) -> anyhow::Result<Value> {
     }
     let (cturn50, cbare50, chist50) = (cturn.pct(50.0), cbare.pct(50.0), chist.pct(50.0));
     println!(
-        "  Claude Code-shaped turn ({cc_tokens} tokens: {} KB body, 61 messages, ~12k tokens of tools; 2.5 KB new): p50 {:.0} us; bare encode of the new text {:.0} us ({:.2}x); of which the history's part (the same body again) {:.0} us",
+        "  Claude Code-shaped turn ({cc_tokens} tokens: {} KB body, {} messages, ~12k tokens of tools; 2.5 KB new): p50 {:.0} us; bare encode of the new text {:.0} us ({:.2}x); of which the history's part (the same body again) {:.0} us",
         cc_bytes / 1024,
+        cc_turns.len() + 1,
         cturn50 as f64 / 1e3,
         cbare50 as f64 / 1e3,
         cturn50 as f64 / cbare50.max(1) as f64,
