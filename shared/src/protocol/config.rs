@@ -123,6 +123,16 @@ pub struct PolicyConfig {
     /// sending them to the one pod that looks idlest (0 = strict argmin). Only a request
     /// choosing a home spreads; one with a home keeps its cache.
     pub near_tie_cost: f64,
+    /// With other gateway replicas routing to the same pods, each takes every R-th pod
+    /// (in pod-id order, R the replicas it hears) as its own for new prompts: a request
+    /// choosing a home pays this many extra blocks per prompt block on the other
+    /// replicas' pods. Replicas hear of each other's placements a delta late, so two that
+    /// place cold prompts within that delay pick the same pod that looks idlest and
+    /// queue one prefill behind the other. Off by default (0): it narrows each replica's
+    /// choice for new prompts, which costs the multi-turn chat workload's tail with four
+    /// replicas (docs/policy.md, "Replicas that place new prompts apart"); one replica:
+    /// no effect.
+    pub peer_home_weight: f64,
     /// 0 = argmin; > 0 samples from softmax(−cost / temperature).
     pub temperature: f64,
     /// Carry the per-pod breakdown in route answers (leaks cache state: off by default).
@@ -370,6 +380,7 @@ impl Default for PolicyConfig {
             recompute_weight: 0.5,
             eviction_load_cut: 50.0,
             near_tie_cost: 3.0,
+            peer_home_weight: 0.0,
             temperature: 0.0,
             explain: false,
             predicted_ttl_s: 120,
@@ -406,6 +417,7 @@ impl PolicyConfig {
         finite_nonneg("home_weight", self.home_weight);
         finite_nonneg("hot_prefix_per_pod", self.hot_prefix_per_pod);
         finite_nonneg("near_tie_cost", self.near_tie_cost);
+        finite_nonneg("peer_home_weight", self.peer_home_weight);
         finite_nonneg("saturation_backlog_s", self.saturation_backlog_s);
         finite_nonneg("saturation_weight", self.saturation_weight);
         finite_nonneg("eviction_weight", self.eviction_weight);

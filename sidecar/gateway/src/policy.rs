@@ -123,6 +123,10 @@ pub struct Candidate {
     /// Recent share of the pod's predicted hits that its engine had already evicted
     /// (0–1; see [`cost`]).
     pub pressure: f64,
+    /// Another gateway replica takes this pod first for new prompts (the ledger's
+    /// `home_slot`): a request choosing a home pays `peer_home_weight` per prompt
+    /// block here.
+    pub peer_home: bool,
 }
 
 /// The request's side of the decision.
@@ -232,6 +236,11 @@ pub fn cost(cfg: &PolicyConfig, ask: &Ask, c: &Candidate, fleet: &Fleet) -> Scor
         + cfg.queue_weight * c.load.queued as f64
         + if cold {
             cfg.home_weight * c.load.recent_blocks
+                + if c.peer_home {
+                    cfg.peer_home_weight * ask.prompt_blocks as f64
+                } else {
+                    0.0
+                }
         } else {
             0.0
         };
@@ -565,6 +574,7 @@ mod tests {
             bound: 0.0,
             pinned: false,
             pressure: 0.0,
+            peer_home: false,
             load: LoadView {
                 pending_prefill_tokens: pending,
                 decode_blocks: 0,
@@ -788,6 +798,37 @@ mod tests {
         assert_eq!(saturation(&cfg, &ask(64), &c), 0.0);
         let r = pick(&cfg, &ask(64), &c).expect("pick");
         assert!(r.chosen() >= 2, "{r:?}");
+    }
+
+    #[test]
+    fn replicas_place_new_prompts_on_their_own_pods_unless_much_busier() {
+        let cfg = PolicyConfig {
+            peer_home_weight: 0.25,
+            ..PolicyConfig::default()
+        };
+        // Pod 0 looks idlest, but another replica places new prompts there first (and may
+        // just have sent one, not yet heard of): ours, pod 1, is 2 blocks behind.
+        let theirs = Candidate {
+            peer_home: true,
+            ..cand(0, 0, 0, 0)
+        };
+        let ours = cand(1, 0, 0, 2 * 16);
+        let r = pick(&cfg, &ask(64), &[theirs.clone(), ours.clone()]).expect("pick");
+        assert_eq!(r.chosen(), 1, "64 + 2 < 64 + 0.25 x 64");
+        // More than a quarter of the prompt behind: the idle pod after all.
+        let ours_busy = cand(1, 0, 0, 20 * 16);
+        let r = pick(&cfg, &ask(64), &[theirs.clone(), ours_busy]).expect("pick");
+        assert_eq!(r.chosen(), 0, "64 + 20 > 64 + 16");
+        // A prompt with a home keeps it, whoever places new prompts there.
+        let holder = Candidate {
+            matched: 60,
+            ..theirs.clone()
+        };
+        let r = pick(&cfg, &ask(64), &[holder, ours.clone()]).expect("pick");
+        assert_eq!(r.chosen(), 0);
+        // Off (the default), the idlest pod as before.
+        let r = pick(&PolicyConfig::default(), &ask(64), &[theirs, ours]).expect("pick");
+        assert_eq!(r.chosen(), 0);
     }
 
     #[test]

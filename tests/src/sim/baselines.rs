@@ -488,6 +488,7 @@ mod tests {
                 bound: 0.0,
                 pinned: false,
                 pressure: 0.0,
+                peer_home: false,
             })
             .collect()
     }

@@ -727,9 +727,10 @@ pub fn simulate_labelled(reqs: &[Request], o: &SimOpts, p: Policy, workload: &st
     let cfg = gateway_config(o);
     let gws: Vec<Gateway> = (0..o.gateways.max(1))
         .map(|g| {
-            let (sc, ch) = Sidecar::new(cfg.clone()).unwrap_or_else(|errs| {
-                panic!("the simulator's policy config is invalid: {errs:?}")
-            });
+            let (sc, ch) = Sidecar::with_replica(cfg.clone(), Some(format!("g{g}")))
+                .unwrap_or_else(|errs| {
+                    panic!("the simulator's policy config is invalid: {errs:?}")
+                });
             sc.enable_replica_sync(o.gateways > 1);
             Gateway {
                 sc,

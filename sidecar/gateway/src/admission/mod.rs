@@ -187,6 +187,7 @@ mod tests {
             bound: 0.0,
             pinned: false,
             pressure: 0.0,
+            peer_home: false,
         }
     }
 

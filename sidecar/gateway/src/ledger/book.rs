@@ -47,12 +47,32 @@ pub(super) struct Book {
     pub(super) per_replica: HashMap<String, usize>,
     /// Every other replica's shares held, in all.
     pub(super) remote_total: usize,
+    /// When each other replica's delta last arrived (seconds on [`clock`]), at most
+    /// [`super::MAX_PEERS`]: who shares the pods, for [`super::Ledger::home_slot`].
+    pub(super) peers: HashMap<String, f64>,
     /// This replica's decisions in flight that keep their chain, by its first block (the
     /// newest [`super::CHAINS_PER_PREFIX`]); an entry lives while it has any.
     pub(super) chains: HashMap<u64, VecDeque<u64>>,
 }
 
 impl Book {
+    /// Another replica's delta arrived at `t`. A new id past [`super::MAX_PEERS`] first
+    /// displaces those not heard for [`super::PEER_FRESH`], else is not remembered.
+    pub(super) fn heard(&mut self, replica: &str, t: f64) {
+        if let Some(at) = self.peers.get_mut(replica) {
+            *at = at.max(t);
+            return;
+        }
+        if self.peers.len() >= super::MAX_PEERS {
+            let fresh = super::PEER_FRESH.as_secs_f64();
+            self.peers.retain(|_, at| t - *at < fresh);
+            if self.peers.len() >= super::MAX_PEERS {
+                return;
+            }
+        }
+        self.peers.insert(replica.to_owned(), t);
+    }
+
     pub(super) fn pod(&mut self, id: &Arc<str>) -> &mut PodLoad {
         self.pods.entry(id.clone()).or_default()
     }

@@ -157,6 +157,9 @@ pub const MAX_REMOTE_SHARES: usize = 1 << 18;
 const MAX_REMOTE_ID: usize = 96;
 
 const PEER_FRESH: Duration = Duration::from_secs(30);
+/// Other replicas remembered by id (more than any gateway fleet runs; a flood of made-up
+/// ids can only shift which pods this replica prefers for new prompts).
+pub const MAX_PEERS: usize = 256;
 /// Blocks of a decision's chain kept for [`Ledger::in_flight`] (a longer prompt in flight
 /// is seen to this depth).
 pub const IN_FLIGHT_BLOCKS: usize = 1 << 14;
@@ -396,6 +399,7 @@ impl Ledger {
             ((t * 1e9) as u64).max(1),
             std::sync::atomic::Ordering::Relaxed,
         );
+        book.heard(&l.replica, t);
         match l.op {
             LoadOp::Add => {
                 if book
@@ -487,6 +491,29 @@ impl Ledger {
     pub fn has_peers(&self, now: Instant) -> bool {
         let seen = self.peer_seen_ns.load(std::sync::atomic::Ordering::Relaxed);
         seen > 0 && clock(now) - (seen as f64 / 1e9) < PEER_FRESH.as_secs_f64()
+    }
+
+    /// This replica's place among the replicas routing to the same pods, `(rank, count)`,
+    /// ranked by id: the others heard within the last 30 s and this one. Every replica
+    /// that hears the same others computes the same ranks, so each can take every
+    /// `count`-th pod as its own for new prompts (`PolicyConfig::peer_home_weight`).
+    /// None while it hears no one.
+    pub fn home_slot(&self, now: Instant) -> Option<(usize, usize)> {
+        if !self.has_peers(now) {
+            return None;
+        }
+        let t = clock(now);
+        let book = self.book.lock();
+        let fresh = book
+            .peers
+            .iter()
+            .filter(|(_, at)| t - **at < PEER_FRESH.as_secs_f64());
+        let (mut rank, mut count) = (0, 1);
+        for (id, _) in fresh {
+            count += 1;
+            rank += usize::from(id.as_str() < self.replica.as_str());
+        }
+        (count > 1).then_some((rank, count))
     }
 
     /// Outstanding decisions of this replica.

@@ -112,6 +112,57 @@ fn remote_adds_are_idempotent_and_expire() {
     assert!(!l.apply_remote(&pod, &delta(LoadOp::Release, "x"), later, &cfg));
 }
 
+/// A delta from `replica` (one block on pod a:1).
+fn from_replica(replica: &str, id: &str) -> LoadDelta {
+    LoadDelta {
+        replica: replica.into(),
+        id: id.into(),
+        pod: "a:1".into(),
+        model: "m".into(),
+        op: LoadOp::Add,
+        prefill_tokens: 0,
+        blocks: 1,
+        prefix: None,
+        inflight: false,
+        session: None,
+        response: None,
+        bound_tokens: 0,
+    }
+}
+
+#[test]
+fn a_replica_ranks_itself_among_those_it_heard_lately() {
+    let (l, cfg, now) = (ledger("m"), PolicyConfig::default(), Instant::now());
+    let pod: Arc<str> = Arc::from("a:1");
+    assert_eq!(l.home_slot(now), None, "alone, every pod is its own");
+    assert!(l.apply_remote(&pod, &from_replica("b", "1"), now, &cfg));
+    assert!(l.apply_remote(&pod, &from_replica("z", "1"), now, &cfg));
+    assert_eq!(l.home_slot(now), Some((1, 3)), "b < m < z");
+    // z falls silent; b keeps routing.
+    let t20 = now + Duration::from_secs(20);
+    assert!(l.apply_remote(&pod, &from_replica("b", "2"), t20, &cfg));
+    let t40 = now + Duration::from_secs(40);
+    assert_eq!(l.home_slot(t40), Some((1, 2)), "z is no longer counted");
+    assert_eq!(l.home_slot(now + Duration::from_secs(60)), None);
+}
+
+/// The attack: deltas under thousands of made-up replica ids. The ledger remembers at
+/// most `MAX_PEERS` of them, and a real replica heard once they fall silent is counted.
+#[test]
+fn a_flood_of_replica_ids_is_bounded_and_ages_out() {
+    let (l, cfg, now) = (ledger("m"), PolicyConfig::default(), Instant::now());
+    let pod: Arc<str> = Arc::from("a:1");
+    for k in 0..4 * MAX_PEERS {
+        l.apply_remote(&pod, &from_replica(&format!("fake{k}"), "1"), now, &cfg);
+    }
+    assert_eq!(l.book.lock().peers.len(), MAX_PEERS);
+    assert_eq!(l.home_slot(now).map(|s| s.1), Some(MAX_PEERS + 1));
+    let later = now + PEER_FRESH + Duration::from_secs(1);
+    assert!(l.apply_remote(&pod, &from_replica("a", "1"), later, &cfg));
+    assert_eq!(l.home_slot(later), Some((1, 2)), "only a and m route now");
+    assert_eq!(l.book.lock().peers.len(), 1, "the stale ids made room");
+}
+
 #[test]
 fn a_removed_pod_takes_its_decisions_and_keeps_others_shares() {
     let (l, cfg, now) = (ledger("me"), PolicyConfig::default(), Instant::now());

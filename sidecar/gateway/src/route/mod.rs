@@ -527,6 +527,11 @@ impl<'a> Route<'a> {
             Mode::Text => self.sc.predicted.pressures(&ids),
             Mode::Tokens => vec![0.0; ids.len()],
         };
+        // With other replicas routing here, every `count`-th pod from this one's rank is its
+        // own for new prompts (ranks and pod order agree across replicas).
+        let slot = (self.cfg.peer_home_weight > 0.0)
+            .then(|| self.sc.ledger().home_slot(now))
+            .flatten();
         ids.into_iter()
             .zip(loads.into_iter().zip(pressures))
             .enumerate()
@@ -546,6 +551,7 @@ impl<'a> Route<'a> {
                     bound: self.bound_blocks(&id),
                     pinned: facts.response.as_ref().is_some_and(|r| r.pod == id),
                     pressure,
+                    peer_home: slot.is_some_and(|(rank, count)| i % count != rank),
                 };
                 Some(PodCandidate { candidate, pod: id })
             })
