@@ -77,6 +77,10 @@ pub fn compare(label: &str, reqs: &[Request], o: &SimOpts, policies: &[Policy]) 
             "  {} sessions, starting within {:.0} s, living a median {:.0} s; dealt at random, as many to each pod, they load it max/mean {:.2} (p10 {:.2}, p90 {:.2})",
             b.sessions, b.start_span_s, b.median_life_s, b.median, b.p10, b.p90
         );
+        println!(
+            "  placed as each starts on the pod with the fewest sessions so far: {:.2}; with the fewest requests so far: {:.2}; knowing every session's size (largest first): {:.2}",
+            b.fewest_sessions, b.fewest_requests, b.known_sizes
+        );
     }
     println!(
         "  {:<18} {:>8} {:>11} {:>10} {:>10} {:>11} {:>10} {:>9} {:>9}",
@@ -303,6 +307,14 @@ pub struct SessionBalance {
     pub start_span_s: f64,
     /// The median session's life, first request to last, seconds.
     pub median_life_s: f64,
+    /// Max/mean when each session, as it starts, goes to the pod that has the fewest
+    /// sessions so far — the best of the rules that see only the past that were tried
+    /// (docs/policy.md) — and to the one that has served the fewest requests so far.
+    pub fewest_sessions: f64,
+    pub fewest_requests: f64,
+    /// Max/mean knowing every session's size in advance (largest first, each onto the
+    /// least loaded pod): what only a move of sessions could approach.
+    pub known_sizes: f64,
 }
 
 /// `None` when the workload has fewer sessions than pods (nothing to deal).
@@ -340,6 +352,36 @@ pub fn session_balance(reqs: &[Request], pods: usize, seed: u64) -> Option<Sessi
         (starts.clone().fold(f64::MIN, f64::max) - starts.fold(f64::MAX, f64::min)) / 1e3;
     let mut lives: Vec<f64> = by.values().map(|v| (v.2 - v.1) / 1e3).collect();
     lives.sort_by(f64::total_cmp);
+    let max_mean = |load: &[u64]| load.iter().copied().max().unwrap_or(0) as f64 / mean.max(1e-9);
+    let online = |by_sessions: bool| {
+        let mut order: Vec<&Request> = reqs.iter().filter(|r| r.session.is_some()).collect();
+        order.sort_by(|a, b| a.ts_ms.total_cmp(&b.ts_ms));
+        let (mut pod_of, mut load, mut homed) =
+            (BTreeMap::new(), vec![0u64; pods], vec![0u64; pods]);
+        for r in order {
+            let s = r.session.unwrap_or_default();
+            let p = *pod_of.entry(s).or_insert_with(|| {
+                // Ties go by a hash of (session, pod, seed), as the router's rendezvous
+                // ties do, not to the first pod (which would make this round-robin).
+                let key = |k: &usize| {
+                    let tie = crate::bench::Rng(s ^ seed ^ ((*k as u64) << 40)).next_u64();
+                    (if by_sessions { homed[*k] } else { load[*k] }, tie)
+                };
+                let p = (0..pods).min_by_key(key).unwrap_or(0);
+                homed[p] += 1;
+                p
+            });
+            load[p] += 1;
+        }
+        max_mean(&load)
+    };
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    let mut lpt = vec![0u64; pods];
+    for s in &sizes {
+        if let Some(k) = (0..pods).min_by_key(|k| lpt[*k]) {
+            lpt[k] += s;
+        }
+    }
     Some(SessionBalance {
         sessions: by.len(),
         median: ratios[500],
@@ -347,6 +389,9 @@ pub fn session_balance(reqs: &[Request], pods: usize, seed: u64) -> Option<Sessi
         p90: ratios[900],
         start_span_s,
         median_life_s: lives[lives.len() / 2],
+        fewest_sessions: online(true),
+        fewest_requests: online(false),
+        known_sizes: max_mean(&lpt),
     })
 }
 
@@ -407,6 +452,18 @@ mod tests {
         let giant =
             session_balance(&session_reqs(&[21, 3, 3, 3, 3, 3, 3, 3]), 4, 1).expect("8 sessions");
         assert!(giant.p10 >= 2.0, "{giant:?}");
+        // No placement beats the giant; knowing the sizes reaches exactly that bound.
+        assert_eq!(giant.known_sizes, 2.0);
+        assert!(giant.fewest_sessions >= 2.0 && giant.fewest_requests >= 2.0);
+        // Equal sessions: one per pod in turn, whatever the rule.
+        assert_eq!(
+            (even.fewest_sessions, even.fewest_requests, even.known_sizes),
+            (1.0, 1.0, 1.0)
+        );
+        // Two large and two small on two pods: knowing the sizes pairs them.
+        let pairs = session_balance(&session_reqs(&[10, 1, 1, 10]), 2, 1).expect("4 sessions");
+        assert_eq!(pairs.known_sizes, 1.0);
+        assert!(pairs.fewest_sessions >= 1.0);
         assert!(session_balance(&session_reqs(&[5; 3]), 4, 1).is_none());
         let mut anonymous = session_reqs(&[5; 8]);
         anonymous[0].session = None;
