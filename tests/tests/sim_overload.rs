@@ -10,7 +10,7 @@
 //! tenant shed no more often than the heavy one, the queue within its bounds, and a hit
 //! rate at least the queue-less run's. Figures in docs/policy.md ("Admission").
 
-use kvroute_shared::protocol::{AdmissionBand, AdmissionConfig};
+use kvroute_shared::protocol::{AdmissionBand, AdmissionConfig, PolicyConfig};
 use kvroute_tests::sim::{self, ClassFigures, Policy, SimAdmission, SimOpts};
 
 const PODS: usize = 4;
@@ -190,7 +190,8 @@ fn overload_with(seed: u64, gateways: usize) -> (f64, f64, u64) {
 /// the hit rate and what is shed stay within 5% of one gateway's. The high band's p99 does
 /// not (421 vs 249 ms on seed 1; printed, not asserted): with deltas that arrive at once
 /// it matches one gateway's exactly, so the tail is a high request sent where another
-/// replica had just sent a low prefill it had not heard of (docs/policy.md).
+/// replica had just sent a low prefill it had not heard of (docs/policy.md; with
+/// `peer_home_weight` set, see the next test).
 #[test]
 fn four_gateways_queue_as_well_as_one() {
     for seed in 1..=2 {
@@ -204,5 +205,39 @@ fn four_gateways_queue_as_well_as_one() {
             shed4 as f64 <= 1.05 * shed1 as f64,
             "shed {shed4} vs {shed1}"
         );
+    }
+}
+
+/// With `peer_home_weight` each replica places new prompts on its own share of the pods,
+/// so two replicas that place cold prompts within the deltas' delay stop queueing one
+/// behind the other: the four-replica high band's tail (421 / 418 ms on seeds 1 / 2)
+/// comes back toward one gateway's (249 / 218 ms), at the same hit rate.
+#[test]
+fn replicas_that_place_new_prompts_apart_keep_the_high_bands_tail() {
+    for seed in 1..=2 {
+        let o = SimOpts {
+            seed,
+            gateways: 4,
+            delta_delay_s: 0.02,
+            admission: Some(admission(16)),
+            ..SimOpts::new(PODS, 16384, 16)
+        };
+        let apart = SimOpts {
+            config: PolicyConfig {
+                peer_home_weight: 0.25,
+                ..PolicyConfig::default()
+            },
+            ..o.clone()
+        };
+        let reqs = sim::generated("sglang-shared-prefix", 16, RATE, seed).expect("workload");
+        let off = sim::simulate(&reqs, &o, Policy::Kvroute);
+        let on = sim::simulate(&reqs, &apart, Policy::Kvroute);
+        let (p_off, p_on) = (class(&off, 1, 0).ttft_p99_ms, class(&on, 1, 0).ttft_p99_ms);
+        eprintln!(
+            "seed {seed}, 4 gateways: high p99 {p_off:.0} ms, hit {:.3} | apart: {p_on:.0} ms, hit {:.3}",
+            off.hit_rate, on.hit_rate
+        );
+        assert!(p_on <= 0.8 * p_off, "{p_on:.0} vs {p_off:.0} ms");
+        assert!(on.hit_rate >= 0.98 * off.hit_rate);
     }
 }
