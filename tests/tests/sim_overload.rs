@@ -220,11 +220,17 @@ fn replicas_that_place_new_prompts_apart_keep_the_high_bands_tail() {
             gateways: 4,
             delta_delay_s: 0.02,
             admission: Some(admission(16)),
+            config: PolicyConfig {
+                peer_home_weight: 0.0,
+                ..PolicyConfig::default()
+            },
             ..SimOpts::new(PODS, 16384, 16)
         };
         let apart = SimOpts {
+            // Behind the queue backlogs stay short: apart always.
             config: PolicyConfig {
                 peer_home_weight: 0.25,
+                peer_home_backlog_s: 0.0,
                 ..PolicyConfig::default()
             },
             ..o.clone()

@@ -126,13 +126,18 @@ pub struct PolicyConfig {
     /// With other gateway replicas routing to the same pods, each takes every R-th pod
     /// (in pod-id order, R the replicas it hears) as its own for new prompts: a request
     /// choosing a home pays this many extra blocks per prompt block on the other
-    /// replicas' pods. Replicas hear of each other's placements a delta late, so two that
-    /// place cold prompts within that delay pick the same pod that looks idlest and
-    /// queue one prefill behind the other. Off by default (0): it narrows each replica's
-    /// choice for new prompts, which costs the multi-turn chat workload's tail with four
-    /// replicas (docs/policy.md, "Replicas that place new prompts apart"); one replica:
-    /// no effect.
+    /// replicas' pods, while the fleet is busy (`peer_home_backlog_s`). Replicas hear of
+    /// each other's placements a delta late, so two that place cold prompts within that
+    /// delay pick the same pod that looks idlest and queue one prefill behind the other
+    /// (0 = off; one replica: no effect).
     pub peer_home_weight: f64,
+    /// The candidates' mean queued prefill, in seconds at `prefill_tokens_per_s`, from
+    /// which `peer_home_weight` applies (0 = always). On a fleet with idle time a replica
+    /// does better choosing among all pods: kept to its own share, its new conversations
+    /// crowd those pods whenever it draws more of them than the other replicas
+    /// (docs/policy.md, "Replicas that place new prompts apart"). Behind the admission
+    /// queue, which keeps backlogs short, set it to 0.
+    pub peer_home_backlog_s: f64,
     /// 0 = argmin; > 0 samples from softmax(−cost / temperature).
     pub temperature: f64,
     /// Carry the per-pod breakdown in route answers (leaks cache state: off by default).
@@ -380,7 +385,8 @@ impl Default for PolicyConfig {
             recompute_weight: 0.5,
             eviction_load_cut: 50.0,
             near_tie_cost: 3.0,
-            peer_home_weight: 0.0,
+            peer_home_weight: 0.25,
+            peer_home_backlog_s: 0.25,
             temperature: 0.0,
             explain: false,
             predicted_ttl_s: 120,
@@ -418,6 +424,7 @@ impl PolicyConfig {
         finite_nonneg("hot_prefix_per_pod", self.hot_prefix_per_pod);
         finite_nonneg("near_tie_cost", self.near_tie_cost);
         finite_nonneg("peer_home_weight", self.peer_home_weight);
+        finite_nonneg("peer_home_backlog_s", self.peer_home_backlog_s);
         finite_nonneg("saturation_backlog_s", self.saturation_backlog_s);
         finite_nonneg("saturation_weight", self.saturation_weight);
         finite_nonneg("eviction_weight", self.eviction_weight);

@@ -192,6 +192,9 @@ pub struct Fleet {
     /// The deepest prefix of the prompt any candidate is prefilling right now: what a
     /// pod with fewer hits would compute a second time.
     pub held: f64,
+    /// The fleet is busy enough that new prompts keep to this replica's own pods
+    /// (`peer_home_backlog_s`; see `Candidate::peer_home`).
+    pub apart: bool,
 }
 
 pub fn cost(cfg: &PolicyConfig, ask: &Ask, c: &Candidate, fleet: &Fleet) -> Score {
@@ -201,6 +204,7 @@ pub fn cost(cfg: &PolicyConfig, ask: &Ask, c: &Candidate, fleet: &Fleet) -> Scor
         saturation,
         load_weight,
         held,
+        apart,
     } = *fleet;
     let hits = if ask.load_only {
         0.0
@@ -236,7 +240,7 @@ pub fn cost(cfg: &PolicyConfig, ask: &Ask, c: &Candidate, fleet: &Fleet) -> Scor
         + cfg.queue_weight * c.load.queued as f64
         + if cold {
             cfg.home_weight * c.load.recent_blocks
-                + if c.peer_home {
+                + if apart && c.peer_home {
                     cfg.peer_home_weight * ask.prompt_blocks as f64
                 } else {
                     0.0
@@ -302,6 +306,15 @@ pub fn load_weight(cfg: &PolicyConfig, cands: &[Candidate], cold: bool) -> f64 {
         .sum::<f64>()
         / cands.len() as f64;
     cfg.load_weight / (1.0 + cfg.eviction_load_cut * pressure)
+}
+
+/// The candidates' mean queued prefill, in seconds at the configured prefill rate.
+fn mean_backlog_s(cfg: &PolicyConfig, cands: &[Candidate]) -> f64 {
+    let tokens: f64 = cands
+        .iter()
+        .map(|c| c.load.pending_prefill_tokens as f64)
+        .sum();
+    tokens / cands.len().max(1) as f64 / cfg.prefill_tokens_per_s.max(1.0)
 }
 
 /// How far behind the whole fleet is, as the extra weight of an uncached block: 0 while
@@ -421,6 +434,9 @@ pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Rankin
     // batch fills at a few requests per pod with long outputs, well within the slack).
     let full_batch = cfg.full_batch_guard && cands.iter().any(|c| c.load.queued == 0);
     let fleet = Fleet {
+        apart: cfg.peer_home_weight > 0.0
+            && cands.iter().any(|c| c.peer_home)
+            && mean_backlog_s(cfg, cands) >= cfg.peer_home_backlog_s,
         shared,
         cold,
         saturation: saturated,
@@ -804,6 +820,7 @@ mod tests {
     fn replicas_place_new_prompts_on_their_own_pods_unless_much_busier() {
         let cfg = PolicyConfig {
             peer_home_weight: 0.25,
+            peer_home_backlog_s: 0.0,
             ..PolicyConfig::default()
         };
         // Pod 0 looks idlest, but another replica places new prompts there first (and may
@@ -826,9 +843,23 @@ mod tests {
         };
         let r = pick(&cfg, &ask(64), &[holder, ours.clone()]).expect("pick");
         assert_eq!(r.chosen(), 0);
-        // Off (the default), the idlest pod as before.
-        let r = pick(&PolicyConfig::default(), &ask(64), &[theirs, ours]).expect("pick");
+        // Off, the idlest pod as before.
+        let off = PolicyConfig {
+            peer_home_weight: 0.0,
+            ..cfg.clone()
+        };
+        let r = pick(&off, &ask(64), &[theirs.clone(), ours.clone()]).expect("pick");
         assert_eq!(r.chosen(), 0);
+        // The default applies it only once the fleet is busy: with these two pods'
+        // backlogs (0 and 2 blocks, a few ms) the idlest pod as before; with a second of
+        // prefill queued on both, its own pod.
+        let default = PolicyConfig::default();
+        let r = pick(&default, &ask(64), &[theirs.clone(), ours.clone()]).expect("pick");
+        assert_eq!(r.chosen(), 0);
+        let second = default.prefill_tokens_per_s as u64;
+        let busy = |c: Candidate| with_load(c, |l| l.pending_prefill_tokens += second);
+        let r = pick(&default, &ask(64), &[busy(theirs), busy(ours)]).expect("pick");
+        assert_eq!(r.chosen(), 1);
     }
 
     #[test]
