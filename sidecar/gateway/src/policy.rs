@@ -11,7 +11,10 @@
 //!   gap has its hits scaled by `stale_factor`. A prefix that is common (on most pods) or
 //!   hot (many requests in flight, the fleet not saturated) is credited to every pod; a
 //!   request that no pod holds more of than that is *cold*, and choosing its home also
-//!   weighs the work each pod drew lately ([`RecentWork`]).
+//!   weighs the work each pod drew lately ([`RecentWork`]) and, while the fleet is busy,
+//!   whether another gateway replica places new prompts on the pod first
+//!   (`Candidate::peer_home`), so replicas that have not yet heard of each other's
+//!   placements do not send them to the same pod.
 //! - **Pick** ([`pick`]): lowest cost among pods within the bounded load, per pod and per
 //!   routing prefix, so a shared system prompt cannot pin all traffic to one pod, and
 //!   among pods whose engines report no request waiting for a batch slot; ties go
