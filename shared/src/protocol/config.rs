@@ -135,8 +135,9 @@ pub struct PolicyConfig {
     /// which `peer_home_weight` applies (0 = always). On a fleet with idle time a replica
     /// does better choosing among all pods: kept to its own share, its new conversations
     /// crowd those pods whenever it draws more of them than the other replicas
-    /// (docs/policy.md, "Replicas that place new prompts apart"). Behind the admission
-    /// queue, which keeps backlogs short, set it to 0.
+    /// (docs/policy.md, "Replicas that place new prompts apart"). A request that goes
+    /// through the admission gate is kept apart whatever the backlog: there the fleet
+    /// runs at its limit and the queue keeps backlogs short.
     pub peer_home_backlog_s: f64,
     /// 0 = argmin; > 0 samples from softmax(−cost / temperature).
     pub temperature: f64,

@@ -147,6 +147,10 @@ pub struct Ask {
     pub seed: u64,
     /// Ignore cache hits (choosing a decode pod of a disaggregated model).
     pub load_only: bool,
+    /// The request goes through the admission gate: the fleet is run at its limit and
+    /// the queue keeps pods' backlogs short, so replicas keep new prompts apart whatever
+    /// the backlog (`peer_home_backlog_s`).
+    pub gated: bool,
     /// Other replicas route to the same pods: for a request choosing a home, treat costs
     /// within `near_tie_cost` of the best as ties (see [`pick`]).
     pub spread_ties: bool,
@@ -439,7 +443,7 @@ pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Rankin
     let fleet = Fleet {
         apart: cfg.peer_home_weight > 0.0
             && cands.iter().any(|c| c.peer_home)
-            && mean_backlog_s(cfg, cands) >= cfg.peer_home_backlog_s,
+            && (ask.gated || mean_backlog_s(cfg, cands) >= cfg.peer_home_backlog_s),
         shared,
         cold,
         saturation: saturated,
@@ -619,6 +623,7 @@ mod tests {
             tie_key: 42,
             seed: 1,
             load_only: false,
+            gated: false,
             spread_ties: false,
         }
     }
@@ -1030,6 +1035,7 @@ mod tests {
             let r = pick(
                 &cfg,
                 &Ask {
+                    gated: false,
                     spread_ties: true,
                     ..a
                 },

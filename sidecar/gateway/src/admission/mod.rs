@@ -198,6 +198,7 @@ mod tests {
             tie_key: 0,
             seed: 0,
             load_only: false,
+            gated: false,
             spread_ties: false,
         }
     }

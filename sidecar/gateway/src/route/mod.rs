@@ -245,6 +245,7 @@ fn route_inner(
     }
     let main_ask = Ask {
         load_only: disaggregated,
+        gated: gate.is_some(),
         ..r.ask
     };
     if let Some(h) = gate {
@@ -415,6 +416,7 @@ impl<'a> Route<'a> {
             tie_key: facts.tie_key,
             seed: facts.tie_key ^ (crate::ledger::clock(now) * 1e9) as u64,
             load_only: false,
+            gated: false,
             spread_ties: sc.ledger().has_peers(now),
         };
         Route {
