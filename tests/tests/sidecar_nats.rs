@@ -251,6 +251,19 @@ async fn replicas_see_each_others_decisions() {
         "replica b sees a's 10 decisions",
     )
     .await;
+    // b has heard a (a has heard nothing of b, which decided nothing): its status shows
+    // the two-replica set and its rank in it, by id.
+    let (sa, sb) = (
+        ra.get("/v1/status").await.json,
+        rb.get("/v1/status").await.json,
+    );
+    let (ida, idb) = (
+        sa["replica"].as_str().unwrap_or(""),
+        sb["replica"].as_str().unwrap_or(""),
+    );
+    assert_eq!(sb["replica_set"]["size"], 2, "{}", sb["replica_set"]);
+    assert_eq!(sb["replica_set"]["rank"], u64::from(idb > ida));
+    assert_eq!(sa["replica_set"]["size"], 1);
     for (i, d) in decisions.iter().enumerate() {
         ra.post("/v1/report", serde_json::json!({"decision": d, "request_id": format!("a{i}"), "pod": "127.0.0.1:8001", "status": 200})).await;
     }

@@ -101,8 +101,12 @@ pub fn snapshot(sc: &Sidecar) -> Value {
         .take(50)
         .map(|(m, p, t, n)| json!({"model": m, "priority": p, "tenant": &*t, "requests": n}))
         .collect();
+    // The replicas this one hears routing to the same pods (itself included) and its rank
+    // among them: new prompts prefer every `size`-th pod from `rank` (`peer_home_weight`).
+    let (rank, size) = sc.ledger().home_slot(now).unwrap_or((0, 1));
     json!({
         "replica": sc.ledger().replica(),
+        "replica_set": {"size": size, "rank": rank},
         "uptime_s": now.duration_since(sc.started).as_secs_f64(),
         "policy_version": cfg.version,
         "counters": {
