@@ -315,13 +315,14 @@ pub fn load_weight(cfg: &PolicyConfig, cands: &[Candidate], cold: bool) -> f64 {
     cfg.load_weight / (1.0 + cfg.eviction_load_cut * pressure)
 }
 
-/// The candidates' mean queued prefill, in seconds at the configured prefill rate.
-fn mean_backlog_s(cfg: &PolicyConfig, cands: &[Candidate]) -> f64 {
+/// The candidates' mean queued prefill, in tokens: the backlog both the saturation weight
+/// and keeping new prompts apart are judged by.
+fn mean_backlog(cands: &[Candidate]) -> f64 {
     let tokens: f64 = cands
         .iter()
         .map(|c| c.load.pending_prefill_tokens as f64)
         .sum();
-    tokens / cands.len().max(1) as f64 / cfg.prefill_tokens_per_s.max(1.0)
+    tokens / cands.len().max(1) as f64
 }
 
 /// How far behind the whole fleet is, as the extra weight of an uncached block: 0 while
@@ -339,11 +340,7 @@ pub fn saturation(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> f64 {
     // The mean backlog, not the least: one pod that is briefly idle does not make room
     // for every conversation the others hold (the least let the fleet spill first and
     // measure saturation after: 0.853 hit on 4 pods against the mean's 0.935).
-    let backlog = cands
-        .iter()
-        .map(|c| c.load.pending_prefill_tokens as f64)
-        .sum::<f64>()
-        / cands.len() as f64;
+    let backlog = mean_backlog(cands);
     let threshold = cfg.saturation_backlog_s * cfg.prefill_tokens_per_s;
     if backlog < threshold {
         return 0.0;
@@ -443,7 +440,8 @@ pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Rankin
     let fleet = Fleet {
         apart: cfg.peer_home_weight > 0.0
             && cands.iter().any(|c| c.peer_home)
-            && (ask.gated || mean_backlog_s(cfg, cands) >= cfg.peer_home_backlog_s),
+            && (ask.gated
+                || mean_backlog(cands) >= cfg.peer_home_backlog_s * cfg.prefill_tokens_per_s),
         shared,
         cold,
         saturation: saturated,

@@ -353,12 +353,12 @@ pub fn session_balance(reqs: &[Request], pods: usize, seed: u64) -> Option<Sessi
     let mut lives: Vec<f64> = by.values().map(|v| (v.2 - v.1) / 1e3).collect();
     lives.sort_by(f64::total_cmp);
     let max_mean = |load: &[u64]| load.iter().copied().max().unwrap_or(0) as f64 / mean.max(1e-9);
+    let mut order: Vec<&Request> = reqs.iter().filter(|r| r.session.is_some()).collect();
+    order.sort_by(|a, b| a.ts_ms.total_cmp(&b.ts_ms));
     let online = |by_sessions: bool| {
-        let mut order: Vec<&Request> = reqs.iter().filter(|r| r.session.is_some()).collect();
-        order.sort_by(|a, b| a.ts_ms.total_cmp(&b.ts_ms));
         let (mut pod_of, mut load, mut homed) =
             (BTreeMap::new(), vec![0u64; pods], vec![0u64; pods]);
-        for r in order {
+        for r in &order {
             let s = r.session.unwrap_or_default();
             let p = *pod_of.entry(s).or_insert_with(|| {
                 // Ties go by a hash of (session, pod, seed), as the router's rendezvous
