@@ -327,8 +327,8 @@ fn mean_backlog(cands: &[Candidate]) -> f64 {
 
 /// How far behind the whole fleet is, as the extra weight of an uncached block: 0 while
 /// the candidates have less than `saturation_backlog_s` of prefill queued on average;
-/// past it, the mean backlog above that threshold in prompts of this request's size,
-/// times `saturation_weight`. Past that point every pod has work waiting,
+/// past it, the mean backlog above that threshold in prompts of this request's size (at
+/// most `saturation_max_prompts` of them), times `saturation_weight`. Past that point every pod has work waiting,
 /// so a prompt recomputed off its cache delays each request queued behind it on its new
 /// pod: greedy per-request choices then spill prompts off their caches, the spilled work
 /// makes the next pod busy too, and the fleet's hit rate collapses (agentic sessions on
@@ -348,7 +348,8 @@ pub fn saturation(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> f64 {
     // From 0 at the threshold (a step there made every pod's choice jump at once), and
     // never 0 past it: past the threshold the guards step aside.
     let bs = ask.block_size.max(1) as f64;
-    let over = (backlog - threshold) / bs / ask.prompt_blocks.max(1) as f64;
+    let over = ((backlog - threshold) / bs / ask.prompt_blocks.max(1) as f64)
+        .min(cfg.saturation_max_prompts);
     (cfg.saturation_weight * over).max(f64::MIN_POSITIVE)
 }
 
@@ -674,6 +675,32 @@ mod tests {
         };
         assert_eq!(saturation(&off, &ask(200), &c), 0.0);
         assert_eq!(pick(&off, &ask(200), &c).expect("pick").chosen(), 1);
+    }
+
+    /// Far behind, the extra weight stops growing at `saturation_max_prompts` prompts of
+    /// backlog: a pod whose queue has drifted 100 s past another's gives up a cached
+    /// prompt, where an uncapped weight would keep it there whatever the gap.
+    #[test]
+    fn a_fleet_far_behind_counts_its_backlog_up_to_a_cap() {
+        let cfg = PolicyConfig::default();
+        let tps = cfg.prefill_tokens_per_s as u64;
+        // 200-block prompt (16-token blocks), 196 cached on pod 0; 300 s queued there
+        // against 200 s on pod 1.
+        let c = [cand(0, 196, 1, 300 * tps), cand(1, 0, 0, 200 * tps)];
+        assert_eq!(
+            saturation(&cfg, &ask(200), &c),
+            cfg.saturation_weight * cfg.saturation_max_prompts
+        );
+        assert_eq!(pick(&cfg, &ask(200), &c).expect("pick").chosen(), 1);
+        let uncapped = PolicyConfig {
+            saturation_max_prompts: f64::MAX,
+            ..PolicyConfig::default()
+        };
+        assert!(saturation(&uncapped, &ask(200), &c) > 1_000.0);
+        assert_eq!(pick(&uncapped, &ask(200), &c).expect("pick").chosen(), 0);
+        // A gap of 5 s at the same depth: the cache still wins.
+        let c = [cand(0, 196, 1, 255 * tps), cand(1, 0, 0, 250 * tps)];
+        assert_eq!(pick(&cfg, &ask(200), &c).expect("pick").chosen(), 0);
     }
 
     #[test]
