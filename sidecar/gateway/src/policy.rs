@@ -328,11 +328,12 @@ fn mean_backlog(cands: &[Candidate]) -> f64 {
 /// How far behind the whole fleet is, as the extra weight of an uncached block: 0 while
 /// the candidates have less than `saturation_backlog_s` of prefill queued on average;
 /// past it, the mean backlog above that threshold in prompts of this request's size (at
-/// most `saturation_max_prompts` of them), times `saturation_weight`. Past that point every pod has work waiting,
-/// so a prompt recomputed off its cache delays each request queued behind it on its new
-/// pod: greedy per-request choices then spill prompts off their caches, the spilled work
-/// makes the next pod busy too, and the fleet's hit rate collapses (agentic sessions on
-/// 2-4 pods: 0.72-0.74 where session affinity held 0.85-0.94).
+/// most `saturation_max_prompts` of them), times `saturation_weight`. Past that point
+/// every pod has work waiting, so a prompt recomputed off its cache delays each request
+/// queued behind it on its new pod: greedy per-request choices then spill prompts off
+/// their caches, the spilled work makes the next pod busy too, and the fleet's hit rate
+/// collapses (agentic sessions on 2-4 pods: 0.72-0.74 where session affinity held
+/// 0.85-0.94).
 pub fn saturation(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> f64 {
     if ask.load_only || cfg.saturation_backlog_s <= 0.0 || cands.is_empty() {
         return 0.0;
