@@ -242,6 +242,8 @@ impl SimResult {
                 .map(|c| {
                     json!({"priority": c.priority, "tenant": c.tenant, "requests": c.requests,
                            "served": c.served, "shed": c.shed,
+                           "dispatched_saturated": c.dispatched_saturated,
+                           "dispatched_contested": c.dispatched_contested,
                            "ttft_mean_ms": r(c.ttft_mean_ms), "ttft_p99_ms": r(c.ttft_p99_ms)})
                 })
                 .collect();
