@@ -100,8 +100,8 @@ pub struct PolicyConfig {
     /// The most prompts of backlog that extra weight counts. That far behind, a pod's
     /// cache can turn over while a request waits there, so the hits it is kept for are
     /// no longer certain, and an ever heavier weight only freezes placement while the
-    /// pods' queues drift apart (agentic sessions on 4 pods of 2,048 blocks, seeds 1-16: mean TTFT
-    /// 130 s uncapped, 100 s at 12).
+    /// pods' queues drift apart (agentic sessions on 4 pods of 2,048 blocks, seeds 1-16:
+    /// mean TTFT 130 s uncapped, 100 s at 12).
     pub saturation_max_prompts: f64,
     /// How much more an uncached block weighs on a pod whose cache is evicting what
     /// it was sent: `1 + eviction_weight × pressure`, the pressure being the recent

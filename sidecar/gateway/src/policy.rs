@@ -334,14 +334,15 @@ fn mean_backlog(cands: &[Candidate]) -> f64 {
 /// their caches, the spilled work makes the next pod busy too, and the fleet's hit rate
 /// collapses (agentic sessions on 2-4 pods: 0.72-0.74 where session affinity held
 /// 0.85-0.94).
-pub fn saturation(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> f64 {
-    if ask.load_only || cfg.saturation_backlog_s <= 0.0 || cands.is_empty() {
+///
+/// `backlog` is the candidates' mean queued prefill (`mean_backlog`): the mean, not the
+/// least, because one pod that is briefly idle does not make room for every conversation
+/// the others hold (the least let the fleet spill first and measure saturation after:
+/// 0.853 hit on 4 pods against the mean's 0.935).
+pub fn saturation(cfg: &PolicyConfig, ask: &Ask, backlog: f64) -> f64 {
+    if ask.load_only || cfg.saturation_backlog_s <= 0.0 {
         return 0.0;
     }
-    // The mean backlog, not the least: one pod that is briefly idle does not make room
-    // for every conversation the others hold (the least let the fleet spill first and
-    // measure saturation after: 0.853 hit on 4 pods against the mean's 0.935).
-    let backlog = mean_backlog(cands);
     let threshold = cfg.saturation_backlog_s * cfg.prefill_tokens_per_s;
     if backlog < threshold {
         return 0.0;
@@ -420,7 +421,8 @@ pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Rankin
     // its new conversations spread by load rather than pile onto its first holders (who
     // would keep them, and their later turns, for good).
     let deepest = cands.iter().map(|c| hits(cfg, c)).fold(0.0, f64::max);
-    let saturated = saturation(cfg, ask, cands);
+    let backlog = mean_backlog(cands);
+    let saturated = saturation(cfg, ask, backlog);
     // Never while one pod may keep all of them under the per-prefix bound: with a few pods
     // a handful of requests for one prompt (reports not yet in) is not a hot prefix. Nor
     // while the fleet is saturated: each pod the prefix spreads to must prefill it, work a
@@ -442,8 +444,7 @@ pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Rankin
     let fleet = Fleet {
         apart: cfg.peer_home_weight > 0.0
             && cands.iter().any(|c| c.peer_home)
-            && (ask.gated
-                || mean_backlog(cands) >= cfg.peer_home_backlog_s * cfg.prefill_tokens_per_s),
+            && (ask.gated || backlog >= cfg.peer_home_backlog_s * cfg.prefill_tokens_per_s),
         shared,
         cold,
         saturation: saturated,
@@ -656,13 +657,13 @@ mod tests {
         };
         // Barely loaded (mean backlog 0.8 s): not saturated, the idle pod wins by load.
         let c = [cand(0, 196, 1, 5 * tps / 4), cand(1, 0, 0, 0)];
-        assert_eq!(saturation(&cfg, &ask(200), &c), 0.0);
+        assert_eq!(saturation(&cfg, &ask(200), mean_backlog(&c)), 0.0);
         // 400 blocks of queue on pod 0 against 200 blocks of prefill on pod 1.
         let c = [cand(0, 196, 1, 400 * 16), cand(1, 0, 0, 0)];
         assert_eq!(pick(&cfg, &ask(200), &c).expect("pick").chosen(), 1);
         // Both behind (mean 22.5 s): the cached pod, though 5 s more behind.
         let c = at(20, 20, 1);
-        assert!(saturation(&cfg, &ask(200), &c) > 0.0);
+        assert!(saturation(&cfg, &ask(200), mean_backlog(&c)) > 0.0);
         assert_eq!(pick(&cfg, &ask(200), &c).expect("pick").chosen(), 0);
         // Far over the bounded-load cap too: saturated, the guard does not veto it.
         let c = at(20, 20, 50);
@@ -674,7 +675,7 @@ mod tests {
             saturation_backlog_s: 0.0,
             ..PolicyConfig::default()
         };
-        assert_eq!(saturation(&off, &ask(200), &c), 0.0);
+        assert_eq!(saturation(&off, &ask(200), mean_backlog(&c)), 0.0);
         assert_eq!(pick(&off, &ask(200), &c).expect("pick").chosen(), 1);
     }
 
@@ -689,7 +690,7 @@ mod tests {
         // against 200 s on pod 1.
         let c = [cand(0, 196, 1, 300 * tps), cand(1, 0, 0, 200 * tps)];
         assert_eq!(
-            saturation(&cfg, &ask(200), &c),
+            saturation(&cfg, &ask(200), mean_backlog(&c)),
             cfg.saturation_weight * cfg.saturation_max_prompts
         );
         assert_eq!(pick(&cfg, &ask(200), &c).expect("pick").chosen(), 1);
@@ -697,7 +698,7 @@ mod tests {
             saturation_max_prompts: f64::MAX,
             ..PolicyConfig::default()
         };
-        assert!(saturation(&uncapped, &ask(200), &c) > 1_000.0);
+        assert!(saturation(&uncapped, &ask(200), mean_backlog(&c)) > 1_000.0);
         assert_eq!(pick(&uncapped, &ask(200), &c).expect("pick").chosen(), 0);
         // A gap of 5 s at the same depth: the cache still wins.
         let c = [cand(0, 196, 1, 255 * tps), cand(1, 0, 0, 250 * tps)];
@@ -840,12 +841,12 @@ mod tests {
         let idle = |id, backlog_s: u64| cand(id, 0, 0, backlog_s * tps);
         // Every pod 3 s behind (threshold 2 s): saturated, the holders keep it.
         let c = [holder(0, 3), holder(1, 3), idle(2, 3), idle(3, 3)];
-        assert!(saturation(&cfg, &ask(64), &c) > 0.0);
+        assert!(saturation(&cfg, &ask(64), mean_backlog(&c)) > 0.0);
         let r = pick(&cfg, &ask(64), &c).expect("pick");
         assert!(r.chosen() < 2, "{r:?}");
         // Under the threshold, the same prefix spreads to an idle pod as before.
         let c = [holder(0, 1), holder(1, 1), idle(2, 0), idle(3, 0)];
-        assert_eq!(saturation(&cfg, &ask(64), &c), 0.0);
+        assert_eq!(saturation(&cfg, &ask(64), mean_backlog(&c)), 0.0);
         let r = pick(&cfg, &ask(64), &c).expect("pick");
         assert!(r.chosen() >= 2, "{r:?}");
     }
