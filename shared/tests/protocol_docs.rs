@@ -18,6 +18,7 @@ fn check(ty: &str, json: &str) -> Result<(), String> {
         "CompletionReport" => p::<CompletionReport>(json).map(|_| ()),
         "PodRegistration" => p::<PodRegistration>(json).map(|_| ()),
         "LoadDelta" => p::<LoadDelta>(json).map(|_| ()),
+        "QueueState" => p::<QueueState>(json).map(|_| ()),
         "PolicyConfig" => {
             p::<PolicyConfig>(json).and_then(|c| c.validate().map_err(|e| e.join("; ")))
         }

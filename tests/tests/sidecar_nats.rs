@@ -278,6 +278,91 @@ async fn replicas_see_each_others_decisions() {
     .await;
 }
 
+/// Replicas with admission on share their queues' states over NATS (so tenants take
+/// turns across them): a replica holding a queue for the model takes another's state,
+/// one holding none ignores it, and a state on another replica's subject or not a state
+/// at all is counted and dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_share_their_queues_and_forgeries_are_counted() {
+    let nats = Nats::start().expect("nats");
+    let a = SidecarProc::start(&["--nats", &nats.url()], false).expect("sidecar a");
+    let b = SidecarProc::start(&["--nats", &nats.url()], false).expect("sidecar b");
+    let (ra, rb) = (Api::new(a.addr), Api::new(b.addr));
+    let mut settings = serde_json::Map::new();
+    settings.insert(
+        "admission".into(),
+        serde_json::json!({"enabled": true, "max_inflight": 1, "max_backlog_s": 1000.0,
+            "cache_loss": 1.0, "claim_timeout_ms": 60000}),
+    );
+    for api in [&ra, &rb] {
+        api.register("127.0.0.1:8001", M).await;
+        api.merge_config(&settings).await.expect("admission on");
+        until_connected(api).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let count = |api: &Api, outcome: &str| {
+        let (api, name) = (
+            api.clone(),
+            format!("kvroute_replica_queues_total{{outcome=\"{outcome}\"}}"),
+        );
+        async move { api.metric(&name).await }
+    };
+    // b fills its one slot and queues a light tenant's request: a holds no queue yet.
+    let light = |n: u32| {
+        let mut r = kvroute_tests::client::route_req(M, &chain(M, 90 + n, 4, 16), 16);
+        r.admission.tenant = Some("light".into());
+        r
+    };
+    assert_eq!(rb.post("/v1/route", light(0)).await.status, 200);
+    assert_eq!(rb.post("/v1/route", light(1)).await.status, 202);
+    let ra2 = ra.clone();
+    eventually(
+        move || {
+            let a = ra2.clone();
+            Box::pin(async move { count(&a, "no_room").await >= 1.0 })
+        },
+        "a hears b's queue, holding none itself",
+    )
+    .await;
+    // Once a queues too (the pod is full with b's request, which a heard of), it takes
+    // b's states (sent again while the light one waits).
+    assert_eq!(ra.post("/v1/route", light(2)).await.status, 202);
+    let ra2 = ra.clone();
+    eventually(
+        move || {
+            let a = ra2.clone();
+            Box::pin(async move { count(&a, "applied").await >= 1.0 })
+        },
+        "a takes b's queue state",
+    )
+    .await;
+    assert!(count(&rb, "published").await >= 1.0);
+    // Forged and malformed states.
+    let nc = async_nats::connect(nats.url()).await.expect("client");
+    let forged = serde_json::json!({"replica": "gw-c", "model": M, "bands": []});
+    nc.publish("kvroute.queue.m.gw-d", forged.to_string().into())
+        .await
+        .expect("publish");
+    nc.publish("kvroute.queue.m.gw-d", "not json".into())
+        .await
+        .expect("publish");
+    nc.flush().await.expect("flush");
+    for (outcome, what) in [
+        ("subject_mismatch", "a state on another replica's subject"),
+        ("malformed", "a payload that is no state"),
+    ] {
+        let ra2 = ra.clone();
+        eventually(
+            move || {
+                let a = ra2.clone();
+                Box::pin(async move { count(&a, outcome).await >= 1.0 })
+            },
+            what,
+        )
+        .await;
+    }
+}
+
 /// Resident memory of a process, bytes.
 fn rss_bytes(pid: u32) -> u64 {
     kvroute_tests::procs::status_kib(pid, "VmRSS:") * 1024
@@ -410,11 +495,11 @@ async fn nats_permissions_confine_each_bridge_to_its_pod() {
 authorization {
   users = [
     { user: gw-a, password: gw-a-pass,
-      permissions: { publish: ["kvroute.load.*.gw-a"],
-                     subscribe: ["kvroute.events.>", "kvroute.load.>", "_INBOX.>"] } }
+      permissions: { publish: ["kvroute.load.*.gw-a", "kvroute.queue.*.gw-a"],
+                     subscribe: ["kvroute.events.>", "kvroute.load.>", "kvroute.queue.>", "_INBOX.>"] } }
     { user: gw-b, password: gw-b-pass,
-      permissions: { publish: ["kvroute.load.*.gw-b"],
-                     subscribe: ["kvroute.events.>", "kvroute.load.>", "_INBOX.>"] } }
+      permissions: { publish: ["kvroute.load.*.gw-b", "kvroute.queue.*.gw-b"],
+                     subscribe: ["kvroute.events.>", "kvroute.load.>", "kvroute.queue.>", "_INBOX.>"] } }
     { user: bridge-a, password: bridge-a-pass,
       permissions: { publish: ["kvroute.events.m.127_0_0_1~8001"], subscribe: [] } }
   ]

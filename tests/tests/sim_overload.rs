@@ -75,7 +75,8 @@ fn overload(seed: u64) {
     overload_with(seed, 1);
 }
 
-fn overload_with(seed: u64, gateways: usize) -> (f64, f64, u64) {
+/// Hit rate, the high band's p99 TTFT, requests shed, the light tenant's mean TTFT.
+fn overload_with(seed: u64, gateways: usize) -> (f64, f64, u64, f64) {
     let o = SimOpts {
         seed,
         gateways,
@@ -146,9 +147,9 @@ fn overload_with(seed: u64, gateways: usize) -> (f64, f64, u64) {
         );
     }
     // The light tenant takes its turns: it is shed no more often than the heavy one, and
-    // of what leaves the low band while both wait there it gets the 40% with one
-    // gateway (42-45% on seeds 1-3), at least twice its share of the requests with four
-    // (39-42%; first come, first served would give it that share).
+    // of what leaves the low band while both wait there it gets the 40% (42-45% on
+    // seeds 1-3 with one gateway; with four, counted replica by replica, 43-45% on seeds
+    // 1-2, where it was 41-42% before replicas shared their queues).
     let (heavy, light) = (class(&gated, 0, 0), class(&gated, 0, 1));
     assert!(
         light.shed as f64 / light.requests as f64 <= heavy.shed as f64 / heavy.requests as f64,
@@ -166,9 +167,8 @@ fn overload_with(seed: u64, gateways: usize) -> (f64, f64, u64) {
         contested >= 20.0,
         "both tenants waited together: {contested}"
     );
-    let floor = if gateways == 1 { 0.4 } else { 2.0 * share };
     assert!(
-        light.dispatched_contested as f64 >= floor * contested,
+        light.dispatched_contested as f64 >= 0.4 * contested,
         "light tenant {light:?} vs heavy {heavy:?}"
     );
     assert!(gated.queue_peak_bytes <= max_bytes);
@@ -183,7 +183,7 @@ fn overload_with(seed: u64, gateways: usize) -> (f64, f64, u64) {
         .map(|t| class(&gated, 1, t).ttft_p99_ms)
         .into_iter()
         .fold(0.0, f64::max);
-    (gated.hit_rate, high_p99, gated.shed)
+    (gated.hit_rate, high_p99, gated.shed, light.ttft_mean_ms)
 }
 
 /// Four gateway replicas, each with its own queue, exchanging load deltas 20 ms late:
@@ -195,15 +195,22 @@ fn overload_with(seed: u64, gateways: usize) -> (f64, f64, u64) {
 #[test]
 fn four_gateways_queue_as_well_as_one() {
     for seed in 1..=2 {
-        let (hit1, p99_1, shed1) = overload_with(seed, 1);
-        let (hit4, p99_4, shed4) = overload_with(seed, 4);
+        let (hit1, p99_1, shed1, light1) = overload_with(seed, 1);
+        let (hit4, p99_4, shed4, light4) = overload_with(seed, 4);
         eprintln!(
-            "seed {seed}: 1 gateway hit {hit1:.3} high p99 {p99_1:.0} ms shed {shed1} | 4 gateways hit {hit4:.3} high p99 {p99_4:.0} ms shed {shed4}"
+            "seed {seed}: 1 gateway hit {hit1:.3} high p99 {p99_1:.0} ms shed {shed1} light tenant {light1:.0} ms | 4 gateways hit {hit4:.3} high p99 {p99_4:.0} ms shed {shed4} light tenant {light4:.0} ms"
         );
         assert!(hit4 >= 0.95 * hit1, "hit {hit4:.3} vs {hit1:.3}");
         assert!(
             shed4 as f64 <= 1.05 * shed1 as f64,
             "shed {shed4} vs {shed1}"
+        );
+        // The light tenant's wait: each replica holds its own requests, so without the
+        // queues' states shared it waited for room its own replica freed (1.7 / 1.6 s
+        // against 0.48 / 0.60 s with one gateway).
+        assert!(
+            light4 <= 1.5 * light1,
+            "light tenant {light4:.0} ms vs {light1:.0} with one gateway"
         );
     }
 }

@@ -81,3 +81,55 @@ impl LoadDelta {
         )
     }
 }
+
+/// Subject prefix of replicas' queue states.
+pub const QUEUE_SUBJECT: &str = "kvroute.queue";
+
+/// One replica's admission queue for one model, as the other replicas need it to share
+/// the fleet's turns between tenants (`kvroute.queue.<model>.<replica>`): every replica
+/// holds its own requests, so without it a tenant's request waits for room that only its
+/// own replica's completions free, and a light tenant behind four replicas waits four
+/// times as long as behind one.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct QueueState {
+    pub replica: String,
+    pub model: String,
+    /// Per priority with requests waiting or leaving lately.
+    #[serde(default)]
+    pub bands: Vec<BandState>,
+}
+
+/// A priority's tenants at one replica.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct BandState {
+    pub priority: i32,
+    #[serde(default)]
+    pub tenants: Vec<TenantState>,
+}
+
+/// One tenant of a band at one replica.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TenantState {
+    pub tenant: String,
+    /// Its requests waiting there.
+    #[serde(default)]
+    pub waiting: u32,
+    /// Its requests that have left that replica's queue (a counter since the replica
+    /// started).
+    #[serde(default)]
+    pub left: u64,
+    /// The same, decayed: about how many left over the last few seconds.
+    #[serde(default)]
+    pub recent: f64,
+}
+
+impl QueueState {
+    /// `kvroute.queue.<model>.<replica>`, like [`LoadDelta::subject`].
+    pub fn subject(&self) -> String {
+        format!(
+            "{QUEUE_SUBJECT}.{}.{}",
+            subject_token(&self.model),
+            subject_token(&self.replica)
+        )
+    }
+}

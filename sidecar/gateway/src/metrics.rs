@@ -123,6 +123,11 @@ pub struct Metrics {
     /// Load deltas between replicas: "queued", "published", "dropped_full",
     /// "publish_failed", "applied", "ignored".
     pub replica_deltas: Labeled,
+    /// Admission queue states between replicas: "published", "publish_failed",
+    /// "applied", "no_room" (this replica queues nothing for the model), "malformed",
+    /// "subject_mismatch", and the refusals' labels ("own", "too_large", "bad_number",
+    /// "too_many_peers").
+    pub replica_queues: Labeled,
     event_lag: Family<Label, Gauge<f64, AtomicU64>>,
     pub nats_connected: Gauge,
     pub nats_messages: Counter,
@@ -188,6 +193,7 @@ impl Default for Metrics {
             load_released: Labeled::new("how"),
             report_decisions: Labeled::new("outcome"),
             replica_deltas: Labeled::new("outcome"),
+            replica_queues: Labeled::new("outcome"),
             event_lag: Family::default(),
             nats_connected: Gauge::default(),
             nats_messages: Counter::default(),
@@ -293,6 +299,11 @@ impl Default for Metrics {
                 "kvroute_replica_deltas",
                 "Load deltas exchanged with other replicas.",
                 &m.replica_deltas,
+            ),
+            (
+                "kvroute_replica_queues",
+                "Admission queue states exchanged with other replicas (tenants' turns across gateways).",
+                &m.replica_queues,
             ),
         ];
         for (name, help, f) in labeled {

@@ -8,7 +8,9 @@
 //!
 //! This replica's load deltas leave through their own task ([`publish_outbox`]), each
 //! publish bounded by a timeout, so a NATS outage can delay only that task: event
-//! ingestion, the other replicas' deltas and shutdown never wait on a publish.
+//! ingestion, the other replicas' deltas and shutdown never wait on a publish. Its
+//! admission queues' states leave through another ([`share_queues`]), so tenants take
+//! turns across replicas (`admission::fleet`).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -16,7 +18,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use kvroute_service::{NatsAuth, Shutdown};
-use kvroute_shared::protocol::{EventBatch, LoadDelta};
+use kvroute_shared::protocol::{EventBatch, LoadDelta, QueueState, QUEUE_SUBJECT};
 use tokio::sync::mpsc;
 
 use crate::ingest::{self, IngestQueue, Recovery};
@@ -82,6 +84,7 @@ pub async fn run(
     tokio::join!(
         consume(&sc, &queue, &client, &o, shutdown.clone()),
         publish_outbox(&sc, &client, outbox, shutdown.clone()),
+        share_queues(&sc, &client, shutdown.clone()),
         ingest::run_workers(sc.clone(), rec, queue.clone(), workers, shutdown),
     );
     sc.enable_replica_sync(false);
@@ -115,6 +118,35 @@ pub async fn publish_outbox(
     }
 }
 
+/// How often the admission queues' states are checked for a change to share.
+const SHARE_EVERY: Duration = Duration::from_millis(20);
+
+/// Send this replica's admission queue states to the other replicas until shutdown:
+/// each when it changes, and again now and then while it has tenants to speak of
+/// (`Waiting::states_to_share`).
+pub async fn share_queues(sc: &Sidecar, client: &async_nats::Client, mut shutdown: Shutdown) {
+    loop {
+        tokio::select! {
+            _ = shutdown.wait() => break,
+            _ = tokio::time::sleep(SHARE_EVERY) => {}
+        }
+        for state in sc.waiting.states_to_share(sc, std::time::Instant::now()) {
+            let Ok(bytes) = serde_json::to_vec(&state) else {
+                continue;
+            };
+            let publish = client.publish(state.subject(), bytes.into());
+            let outcome = tokio::select! {
+                _ = shutdown.wait() => return,
+                r = tokio::time::timeout(PUBLISH_TIMEOUT, publish) => match r {
+                    Ok(Ok(())) => "published",
+                    _ => "publish_failed",
+                },
+            };
+            sc.metrics.replica_queues.inc(outcome, 1);
+        }
+    }
+}
+
 async fn consume(
     sc: &Arc<Sidecar>,
     queue: &IngestQueue,
@@ -137,9 +169,24 @@ async fn consume(
     tracing::info!("nats: subscribed to {}", o.subject);
     // Replicas share their decisions so that several gateways do not pile onto one pod.
     let mut loads = client.subscribe(format!("{LOAD_SUBJECT}.>")).await.ok();
+    // And their admission queues, so that tenants take turns across the replicas.
+    let mut queues = client.subscribe(format!("{QUEUE_SUBJECT}.>")).await.ok();
     loop {
         tokio::select! {
             _ = shutdown.wait() => break,
+            Some(msg) = async { match queues.as_mut() { Some(q) => q.next().await, None => std::future::pending().await } } => {
+                let outcome = match serde_json::from_slice::<QueueState>(&msg.payload) {
+                    Ok(state) if msg.subject.as_str() == state.subject() => {
+                        sc.waiting.apply_peer(sc, &state, std::time::Instant::now())
+                    }
+                    Ok(_) => "subject_mismatch",
+                    Err(e) => {
+                        tracing::debug!("nats: malformed queue state: {e}");
+                        "malformed"
+                    }
+                };
+                sc.metrics.replica_queues.inc(outcome, 1);
+            }
             Some(msg) = async { match loads.as_mut() { Some(l) => l.next().await, None => std::future::pending().await } } => {
                 match serde_json::from_slice::<LoadDelta>(&msg.payload) {
                     // A replica speaks only for itself, on its own subject.

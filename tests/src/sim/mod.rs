@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_shared::protocol::AdmissionConfig;
 use kvroute_shared::protocol::{
-    CompletionReport, Event, EventBatch, LoadDelta, PolicyConfig, RouteRequest, Tier,
+    CompletionReport, Event, EventBatch, LoadDelta, PolicyConfig, QueueState, RouteRequest, Tier,
 };
 use kvroute_shared::Mode;
 use kvroute_sidecar::admission::{self, waiting, AdmissionQueue, Arrival, Headroom, Limits, Step};
@@ -263,6 +263,8 @@ enum Ev {
     Delta(usize, usize),
     /// Gateway `.0` looks at its admission queue (a deadline, or a periodic look).
     Admit(usize),
+    /// Another gateway's queue state reaches gateway `.0` (index into `pending_queues`).
+    Queue(usize, usize),
 }
 
 #[derive(PartialEq)]
@@ -316,6 +318,8 @@ struct Sim<'a> {
     origin: Instant,
     pending_events: Vec<(usize, Vec<u64>, Vec<u64>)>,
     pending_deltas: Vec<Option<LoadDelta>>,
+    /// Queue states on their way between gateways.
+    pending_queues: Vec<QueueState>,
     /// Text chains: the engine tokens each block stands for.
     text_tokens: Option<HashMap<u64, f64>>,
     rng: Rng,
@@ -509,6 +513,7 @@ impl Sim<'_> {
             }
             Err(_) => self.shed[i] = true,
         }
+        self.share_queue(g, now);
         self.schedule_look(g, now);
     }
 
@@ -547,7 +552,8 @@ impl Sim<'_> {
             .into_iter()
             .map(|(band, tenant, n)| ((band, tenant), n))
             .collect();
-        admission::look(&mut q, |e, passed_over| {
+        let at = self.at(now);
+        admission::look(&mut q, at, |e, passed_over| {
             let i = e.item;
             match self.route_as(i, now, passed_over) {
                 Ok(k) => {
@@ -565,7 +571,22 @@ impl Sim<'_> {
             }
         });
         self.gws[g].queue = q;
+        self.share_queue(g, now);
         self.schedule_look(g, now);
+    }
+
+    /// Gateway `g`'s queue state reaches the others after the deltas' delay.
+    fn share_queue(&mut self, g: usize, now: f64) {
+        if self.gws.len() < 2 || !self.o.replica_sync {
+            return;
+        }
+        let at = self.at(now);
+        let s = self.gws[g].queue.state(&format!("g{g}"), MODEL, at);
+        let id = self.pending_queues.len();
+        self.pending_queues.push(s);
+        for other in (0..self.gws.len()).filter(|&x| x != g) {
+            self.push(now + self.o.delta_delay_s, Ev::Queue(other, id));
+        }
     }
 
     fn try_start(&mut self, k: usize, now: f64) {
@@ -687,6 +708,11 @@ impl Sim<'_> {
                         self.gws[g].sc.apply_remote_at(d, self.at(now));
                     }
                 }
+                Ev::Queue(g, id) => {
+                    let at = self.at(now);
+                    let s = &self.pending_queues[id];
+                    let _ = self.gws[g].queue.apply_peer(&format!("g{g}"), s, at);
+                }
             }
         }
     }
@@ -778,6 +804,7 @@ pub fn simulate_labelled(reqs: &[Request], o: &SimOpts, p: Policy, workload: &st
         origin: kvroute_sidecar::clock_origin() + Duration::from_secs(1),
         pending_events: Vec::new(),
         pending_deltas: Vec::new(),
+        pending_queues: Vec::new(),
         text_tokens: o.text.as_ref().map(|t| text_block_tokens(reqs, t)),
         rng: Rng(o.seed),
         arrive: vec![0.0; n],

@@ -11,6 +11,7 @@
 //! [`room`] is a pure function of the candidates the route step already built, so the
 //! service and the simulator decide saturation with the same code.
 
+pub mod fleet;
 pub mod queue;
 pub mod waiting;
 
@@ -18,6 +19,7 @@ pub use queue::{AdmissionQueue, Arrival, Entry, Limits, Queued, Refusal, Ticket}
 pub use waiting::{Admitted, Shed, Verdict, Waiting};
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use kvroute_shared::protocol::PolicyConfig;
 
@@ -124,6 +126,7 @@ pub enum Step<R> {
 /// left in 27-30% of the contested turns, and now in 42-45% (docs/policy.md).
 pub fn look<T, R>(
     q: &mut AdmissionQueue<T>,
+    now: Instant,
     mut route: impl FnMut(&Entry<T>, bool) -> Step<R>,
 ) -> Vec<(Entry<T>, R)> {
     let mut out = Vec::new();
@@ -132,22 +135,30 @@ pub fn look<T, R>(
         waited.clear();
         for ticket in q.order(LOOK_AHEAD) {
             let Some(e) = q.get(ticket) else { continue };
-            let passed = q.passed_over(e.priority, &e.tenant);
-            match route(e, passed) {
+            let (priority, tenant) = (e.priority, e.tenant.clone());
+            let step = if q.yields(priority, &tenant, now) {
+                Step::Wait
+            } else {
+                let passed = q.passed_over(priority, &tenant);
+                match q.get(ticket) {
+                    Some(e) => route(e, passed),
+                    None => continue,
+                }
+            };
+            match step {
                 Step::Leave(r) => {
-                    let (priority, tenant) = (e.priority, e.tenant.clone());
                     for (p, t) in &waited {
                         if *p == priority && *t != tenant {
                             q.note_passed(*p, t);
                         }
                     }
-                    if let Some(e) = q.take(ticket) {
+                    if let Some(e) = q.take(ticket, now) {
                         out.push((e, r));
                     }
                     continue 'look;
                 }
                 Step::Wait => {
-                    let key = (e.priority, e.tenant.clone());
+                    let key = (priority, tenant);
                     if !waited.contains(&key) {
                         waited.push(key);
                     }

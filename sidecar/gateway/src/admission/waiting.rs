@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvroute_service::Shutdown;
-use kvroute_shared::protocol::{AdmissionConfig, RouteRequest, RouteResponse};
+use kvroute_shared::protocol::{AdmissionConfig, QueueState, RouteRequest, RouteResponse};
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::{oneshot, Notify};
 
@@ -111,7 +111,16 @@ pub struct Waiting {
     /// the answer on its way releases the decision (the filter that would have reported
     /// it is gone). Pruned after [`ANSWERED_KEEP`], at most [`MAX_ANSWERED`].
     answered: Mutex<HashMap<(String, Ticket), (String, Instant)>>,
+    /// Per model, what the last state shared with the other replicas said (waiting and
+    /// departures per tenant) and when it went: a state goes when that changes, and
+    /// every [`SHARE_AGAIN`] while anything waits or left lately, so peers never take a
+    /// live queue for a gone one.
+    shared: Mutex<HashMap<String, (u64, Instant)>>,
 }
+
+/// A queue state unchanged is sent again after this long (peers trust one for
+/// [`super::fleet::PEER_FRESH`]).
+const SHARE_AGAIN: Duration = Duration::from_millis(500);
 
 const ANSWERED_KEEP: Duration = Duration::from_secs(60);
 const MAX_ANSWERED: usize = 1 << 16;
@@ -190,6 +199,47 @@ impl Waiting {
             }
         }
         out.sort();
+        out
+    }
+
+    /// Another replica's queue state, for its model's room ([`AdmissionQueue::apply_peer`]).
+    /// A model this replica holds no room for has nothing to share turns with: ignored.
+    pub fn apply_peer(&self, sc: &Sidecar, s: &QueueState, now: Instant) -> &'static str {
+        let Some(room) = self.room(&s.model) else {
+            return "no_room";
+        };
+        let applied = room.lock().apply_peer(sc.replica(), s, now);
+        applied.map_or_else(|e| e.label(), |()| "applied")
+    }
+
+    /// The states to send the other replicas now: each room's whose tenants' waiting
+    /// or departures changed since it was last sent, or that was sent [`SHARE_AGAIN`]
+    /// ago and still has tenants to speak of.
+    pub fn states_to_share(&self, sc: &Sidecar, now: Instant) -> Vec<QueueState> {
+        let rooms: Vec<(String, Room)> = self
+            .rooms
+            .read()
+            .iter()
+            .map(|(m, r)| (m.clone(), r.clone()))
+            .collect();
+        let mut shared = self.shared.lock();
+        let mut out = Vec::new();
+        for (model, room) in rooms {
+            let state = room.lock().state(sc.replica(), &model, now);
+            let sig = signature(&state);
+            let due = match shared.get(&model) {
+                None => true,
+                Some(&(last, at)) => {
+                    last != sig
+                        || (!state.bands.is_empty()
+                            && now.saturating_duration_since(at) >= SHARE_AGAIN)
+                }
+            };
+            if due {
+                shared.insert(model, (sig, now));
+                out.push(state);
+            }
+        }
         out
     }
 
@@ -398,7 +448,7 @@ impl Waiting {
                 }
                 let top = top_priority(a);
                 let h = headroom(a);
-                let left = look(&mut q, |e, passed_over| {
+                let left = look(&mut q, now, |e, passed_over| {
                     if e.item.claim.as_ref().is_none_or(|c| c.is_closed()) {
                         return Step::Wait;
                     }
@@ -495,6 +545,19 @@ impl Drop for Claim {
             release(&self.sc, r.decision.as_deref(), Instant::now());
         }
     }
+}
+
+/// What a queue state says that its peers act on: who waits, and how many left.
+fn signature(s: &QueueState) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for b in &s.bands {
+        b.priority.hash(&mut h);
+        for t in &b.tenants {
+            (&t.tenant, t.waiting, t.left).hash(&mut h);
+        }
+    }
+    h.finish()
 }
 
 /// The dispatcher: looks at the queues when woken (a report released load, a request
@@ -728,5 +791,97 @@ mod tests {
         w.look(&sc, Instant::now());
         assert_eq!(sc.ledger().outstanding(), before);
         assert_eq!(w.len(), 1, "left for its TTL or claim timeout");
+    }
+
+    /// Two replicas, each saturated: the one whose heavy tenant has had requests leave
+    /// holds its next one back while the other replica's light tenant waits (until the
+    /// hold's bound), having heard it from the other's queue state; a state goes out
+    /// when it changes and not again until [`SHARE_AGAIN`] while it does not.
+    #[tokio::test]
+    async fn a_replica_holds_back_for_a_tenant_behind_at_another() {
+        let tenant = |r: RouteRequest, t: &str| RouteRequest {
+            admission: kvroute_shared::protocol::Admission {
+                tenant: Some(t.into()),
+                ..r.admission
+            },
+            ..r
+        };
+        let claim = |sc: &Arc<Sidecar>, t: Ticket| {
+            let sc = sc.clone();
+            tokio::spawn(async move { sc.waiting.wait(&sc, "m", t).await })
+        };
+        async fn claimed(sc: &Sidecar, t: Ticket) {
+            while sc
+                .waiting
+                .room("m")
+                .is_some_and(|r| r.lock().get(t).is_some_and(|e| e.item.claim.is_none()))
+            {
+                tokio::task::yield_now().await;
+            }
+        }
+        let ((a, _ca), (b, _cb)) = (fleet(), fleet());
+        let now = Instant::now();
+        let mut running: Vec<RouteResponse> = (1..=2)
+            .map(|n| routed(a.waiting.admit(&a, req(n, None, None), None, now)))
+            .collect();
+        let heavy: Vec<Ticket> = (3..=5)
+            .map(|n| {
+                queued(
+                    a.waiting
+                        .admit(&a, tenant(req(n, None, None), "heavy"), None, now),
+                )
+            })
+            .collect();
+        let mut waits: Vec<_> = heavy.iter().map(|&t| claim(&a, t)).collect();
+        for &t in &heavy {
+            claimed(&a, t).await;
+        }
+        // Two heavy requests leave as room appears.
+        for _ in 0..2 {
+            done(&a, &running.remove(0));
+            a.waiting.look(&a, Instant::now());
+            let Verdict::Routed(r) = waits.remove(0).await.expect("join") else {
+                panic!("routed")
+            };
+            running.push(r);
+        }
+        // The other replica is saturated too, and its light tenant waits.
+        for n in 6..=7 {
+            routed(b.waiting.admit(&b, req(n, None, None), None, now));
+        }
+        queued(
+            b.waiting
+                .admit(&b, tenant(req(8, None, None), "light"), None, now),
+        );
+        let states = b.waiting.states_to_share(&b, now);
+        assert_eq!(states.len(), 1);
+        assert!(
+            b.waiting.states_to_share(&b, now).is_empty(),
+            "unchanged: not sent again yet"
+        );
+        assert_eq!(
+            b.waiting.states_to_share(&b, now + SHARE_AGAIN).len(),
+            1,
+            "sent again while a tenant waits"
+        );
+        assert_eq!(
+            a.waiting.apply_peer(&a, &states[0], Instant::now()),
+            "applied"
+        );
+        assert_eq!(b.waiting.apply_peer(&b, &states[0], Instant::now()), "own");
+        // Room on replica a: its heavy request stays for the light one...
+        done(&a, &running.remove(0));
+        a.waiting.look(&a, Instant::now());
+        assert_eq!(a.waiting.len(), 1, "held back for the light tenant");
+        // Light still waits there (b keeps saying so); past the hold's bound a takes
+        // the room itself.
+        let later = Instant::now() + crate::admission::fleet::YIELD_FOR + Duration::from_millis(10);
+        let again = b.waiting.states_to_share(&b, later);
+        assert_eq!(a.waiting.apply_peer(&a, &again[0], later), "applied");
+        a.waiting.look(&a, later);
+        let Verdict::Routed(_) = waits.remove(0).await.expect("join") else {
+            panic!("routed after the hold")
+        };
+        assert!(a.waiting.is_empty());
     }
 }
