@@ -62,6 +62,7 @@ proptest! {
         let _ = serde_json::from_slice::<RouteRequest>(&bytes);
         let _ = kvroute_shared::protocol::ReportBatch::decode(&bytes);
         let _ = serde_json::from_slice::<kvroute_shared::protocol::LoadDelta>(&bytes);
+        let _ = serde_json::from_slice::<kvroute_shared::protocol::QueueState>(&bytes);
     }
 
     /// The binary route codec on bytes that start like a real body: every prefix and

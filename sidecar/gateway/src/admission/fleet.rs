@@ -481,4 +481,64 @@ mod tests {
         assert!(b.apply("b", &f.state("a", "m", &local, now), now).is_ok());
         assert_eq!(b.peers(now), 1);
     }
+
+    use proptest::prelude::*;
+
+    fn any_state() -> impl Strategy<Value = QueueState> {
+        let tenant = (
+            "[a-z]{0,3}|x{250,260}",
+            any::<u32>(),
+            any::<u64>(),
+            prop_oneof![
+                any::<f64>(),
+                Just(f64::NAN),
+                Just(f64::INFINITY),
+                0.0..100.0f64
+            ],
+        )
+            .prop_map(|(tenant, waiting, left, recent)| TenantState {
+                tenant,
+                waiting,
+                left,
+                recent,
+            });
+        let band = (any::<i32>(), proptest::collection::vec(tenant, 0..70))
+            .prop_map(|(priority, tenants)| BandState { priority, tenants });
+        ("[a-c]{1,2}", proptest::collection::vec(band, 0..18)).prop_map(|(replica, bands)| {
+            QueueState {
+                replica,
+                model: "m".into(),
+                bands,
+            }
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// Whatever peers send, taking it and asking whether to hold back never panics,
+        /// and every state taken is within the bounds.
+        #[test]
+        fn any_peer_state_is_taken_or_refused_whole(
+            states in proptest::collection::vec(any_state(), 1..8),
+            ask in any::<i32>(),
+        ) {
+            let now = Instant::now();
+            let mine: Arc<str> = "a".into();
+            let mut f = Fleet::default();
+            busy(&mut f, &mine, 3, now);
+            for s in &states {
+                let ok = f.apply("own", s, now).is_ok();
+                let within = s.bands.len() <= MAX_BANDS
+                    && s.bands.iter().all(|b| b.tenants.len() <= MAX_TENANTS
+                        && b.tenants.iter().all(|t| t.tenant.len() <= MAX_NAME
+                            && t.recent.is_finite() && t.recent >= 0.0));
+                prop_assert_eq!(ok, within);
+                let _ = f.yields(ask, &mine, now);
+                let _ = f.yields(0, &mine, now);
+            }
+            prop_assert!(f.peers.len() <= MAX_PEERS);
+            let _ = f.state("own", "m", &[], now);
+        }
+    }
 }
