@@ -337,6 +337,8 @@ async fn replicas_share_their_queues_and_forgeries_are_counted() {
     )
     .await;
     assert!(count(&rb, "published").await >= 1.0);
+    let status = ra.get("/v1/status").await.json;
+    assert_eq!(status["admission"]["peers"], 1, "{}", status["admission"]);
     // Forged and malformed states.
     let nc = async_nats::connect(nats.url()).await.expect("client");
     let forged = serde_json::json!({"replica": "gw-c", "model": M, "bands": []});

@@ -121,6 +121,7 @@ pub fn snapshot(sc: &Sidecar) -> Value {
             "precise_prompts": as_map(m.precise.snapshot()),
             "picker_requests": as_map(m.picker.snapshot()),
             "admission": as_map(m.admission.snapshot()),
+            "replica_queues": as_map(m.replica_queues.snapshot()),
             "inflight": sc.ledger().outstanding(),
         },
         "memory": {
@@ -129,7 +130,9 @@ pub fn snapshot(sc: &Sidecar) -> Value {
             "tokenize_budget_bytes": sc.tokenize_budget.cap(),
         },
         "bindings": sc.bindings.status(cfg.max_bindings),
-        "admission": {"enabled": cfg.admission.enabled, "queued": queued},
+        // Replicas whose queue states this one heard lately: their tenants' turns are
+        // shared with its own (admission::fleet).
+        "admission": {"enabled": cfg.admission.enabled, "queued": queued, "peers": sc.waiting.peers(now)},
         "agreement": sc.agreement.snapshot(),
         "models": models.into_values().collect::<Vec<_>>(),
         "pods": pods_json,

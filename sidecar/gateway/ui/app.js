@@ -89,7 +89,8 @@ function drawStatus(s, d) {
   $("t-admission").textContent = adm.enabled ? `${fmt(waiting)} / ${fmt(refused)}` : "off";
   $("t-admission").title = adm.enabled
     ? [...(adm.queued || []).map((q) => `${q.model} priority ${q.priority} tenant ${q.tenant || "-"}: ${q.requests}`),
-       ...Object.entries(ad).map(([k, v]) => `${k}: ${v}`)].join("\n") || "nothing queued"
+       ...Object.entries(ad).map(([k, v]) => `${k}: ${v}`),
+       `tenants take turns with ${fmt(adm.peers || 0)} other replica(s)`].join("\n")
     : "admission is off (policy config)";
 
   const agreement = Object.fromEntries((s.agreement || []).map((a) => [a.model, a]));

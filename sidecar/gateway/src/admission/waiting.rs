@@ -212,6 +212,12 @@ impl Waiting {
         applied.map_or_else(|e| e.label(), |()| "applied")
     }
 
+    /// Other replicas whose queue states are fresh, for the model that hears most.
+    pub fn peers(&self, now: Instant) -> usize {
+        let rooms: Vec<Room> = self.rooms.read().values().cloned().collect();
+        rooms.iter().map(|r| r.lock().peers(now)).max().unwrap_or(0)
+    }
+
     /// The states to send the other replicas now: each room's whose tenants' waiting
     /// or departures changed since it was last sent, or that was sent [`SHARE_AGAIN`]
     /// ago and still has tenants to speak of.
