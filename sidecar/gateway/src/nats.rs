@@ -106,15 +106,28 @@ pub async fn publish_outbox(
         let Ok(bytes) = serde_json::to_vec(&delta) else {
             continue;
         };
-        let publish = client.publish(delta.subject(), bytes.into());
-        let outcome = tokio::select! {
-            _ = shutdown.wait() => break,
-            r = tokio::time::timeout(PUBLISH_TIMEOUT, publish) => match r {
-                Ok(Ok(())) => "published",
-                _ => "publish_failed",
-            },
+        let Some(outcome) = publish(client, delta.subject(), bytes, &mut shutdown).await else {
+            break;
         };
         sc.metrics.replica_deltas.inc(outcome, 1);
+    }
+}
+
+/// One publish, given at most `PUBLISH_TIMEOUT`: "published" or "publish_failed"; `None`
+/// when shutdown came first.
+async fn publish(
+    client: &async_nats::Client,
+    subject: String,
+    bytes: Vec<u8>,
+    shutdown: &mut Shutdown,
+) -> Option<&'static str> {
+    let publish = client.publish(subject, bytes.into());
+    tokio::select! {
+        _ = shutdown.wait() => None,
+        r = tokio::time::timeout(PUBLISH_TIMEOUT, publish) => Some(match r {
+            Ok(Ok(())) => "published",
+            _ => "publish_failed",
+        }),
     }
 }
 
@@ -134,13 +147,8 @@ pub async fn share_queues(sc: &Sidecar, client: &async_nats::Client, mut shutdow
             let Ok(bytes) = serde_json::to_vec(&state) else {
                 continue;
             };
-            let publish = client.publish(state.subject(), bytes.into());
-            let outcome = tokio::select! {
-                _ = shutdown.wait() => return,
-                r = tokio::time::timeout(PUBLISH_TIMEOUT, publish) => match r {
-                    Ok(Ok(())) => "published",
-                    _ => "publish_failed",
-                },
+            let Some(outcome) = publish(client, state.subject(), bytes, &mut shutdown).await else {
+                return;
             };
             sc.metrics.replica_queues.inc(outcome, 1);
         }

@@ -157,6 +157,15 @@ impl Waiting {
         self.rooms.read().get(model).cloned()
     }
 
+    /// Every room with its model, out of the map's lock (a room's lock is taken after).
+    fn named_rooms(&self) -> Vec<(String, Room)> {
+        self.rooms
+            .read()
+            .iter()
+            .map(|(m, r)| (m.clone(), r.clone()))
+            .collect()
+    }
+
     fn room_or_new(&self, model: &str, a: &AdmissionConfig) -> Room {
         if let Some(r) = self.room(model) {
             r.lock().set_limits(limits(a));
@@ -186,14 +195,8 @@ impl Waiting {
 
     /// (model, priority, tenant, requests) of everything held, and each model's bytes.
     pub fn depths(&self) -> Vec<(String, i32, Arc<str>, usize)> {
-        let rooms: Vec<(String, Room)> = self
-            .rooms
-            .read()
-            .iter()
-            .map(|(m, r)| (m.clone(), r.clone()))
-            .collect();
         let mut out = Vec::new();
-        for (m, r) in rooms {
+        for (m, r) in self.named_rooms() {
             for (p, t, n) in r.lock().depths() {
                 out.push((m.clone(), p, t, n));
             }
@@ -222,12 +225,7 @@ impl Waiting {
     /// or departures changed since it was last sent, or that was sent [`SHARE_AGAIN`]
     /// ago and still has tenants to speak of.
     pub fn states_to_share(&self, sc: &Sidecar, now: Instant) -> Vec<QueueState> {
-        let rooms: Vec<(String, Room)> = self
-            .rooms
-            .read()
-            .iter()
-            .map(|(m, r)| (m.clone(), r.clone()))
-            .collect();
+        let rooms = self.named_rooms();
         let mut shared = self.shared.lock();
         let mut out = Vec::new();
         for (model, room) in rooms {
