@@ -122,3 +122,31 @@ proptest! {
         prop_assert_ne!(chat_bytes(&merged), two_bytes);
     }
 }
+
+proptest! {
+    /// A load delta's chain marks: at most 32, from the first block to the last, in
+    /// order; a prompt sharing `k` blocks of the chain is vouched for no deeper than `k`
+    /// and at least to the deepest mark before `k`; the whole chain to its end.
+    #[test]
+    fn chain_marks_vouch_for_no_more_than_is_shared(
+        n in 1usize..400,
+        k in 0usize..400,
+        seed in any::<u64>(),
+    ) {
+        use kvroute_shared::protocol::{chain_marks, marks_depth, MAX_CHAIN_MARKS};
+        let chain: Vec<u64> = (0..n as u64).map(|i| seed.wrapping_add(i)).collect();
+        let marks = chain_marks(&chain);
+        prop_assert!(!marks.is_empty() && marks.len() <= MAX_CHAIN_MARKS);
+        prop_assert_eq!(marks[0][0], 0);
+        prop_assert_eq!(marks[marks.len() - 1][0], n as u64 - 1);
+        prop_assert!(marks.windows(2).all(|w| w[0][0] < w[1][0]));
+        prop_assert_eq!(marks_depth(&marks, &chain), Some(n as u32));
+        let k = k.min(n);
+        let mut other = chain[..k].to_vec();
+        other.extend((0..50u64).map(|i| !seed ^ i));
+        let depth = marks_depth(&marks, &other).unwrap_or(u32::MAX) as usize;
+        let floor = marks.iter().map(|m| m[0] as usize + 1).filter(|&d| d <= k).max().unwrap_or(0);
+        prop_assert!(depth <= k && depth >= floor, "{} of {} shared: {}", k, n, depth);
+        prop_assert_eq!(marks_depth(&[], &chain), None);
+    }
+}

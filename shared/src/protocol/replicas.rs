@@ -50,6 +50,56 @@ pub struct LoadDelta {
     pub response: Option<u64>,
     #[serde(default, skip_serializing_if = "is_zero")]
     pub bound_tokens: u64,
+    /// An add's prompt as a sample of its chain: `[position, block hash]` pairs, the first
+    /// block first, positions increasing (at most [`MAX_CHAIN_MARKS`]). A chain hashes
+    /// every block with all before it, so a prompt that matches a mark shares every block
+    /// up to it: other replicas see how deep a prompt they route is being computed on
+    /// `pod` before its engine reports it cached.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub marks: Vec<[u64; 2]>,
+}
+
+/// The most chain marks a load delta carries.
+pub const MAX_CHAIN_MARKS: usize = 32;
+
+/// `chain` sampled for [`LoadDelta::marks`]: its first and last blocks and evenly spaced
+/// ones between, at most [`MAX_CHAIN_MARKS`].
+pub fn chain_marks(chain: &[u64]) -> Vec<[u64; 2]> {
+    let n = chain.len();
+    let k = n.min(MAX_CHAIN_MARKS);
+    let mut out: Vec<[u64; 2]> = Vec::with_capacity(k);
+    for j in 0..k {
+        let pos = if k == 1 { 0 } else { j * (n - 1) / (k - 1) };
+        if out.last().is_none_or(|m| m[0] < pos as u64) {
+            out.push([pos as u64, chain[pos]]);
+        }
+    }
+    out
+}
+
+/// How many blocks of `chain` the marks vouch for (the deepest mark it matches, plus
+/// one); `None` if the marks are not a sample [`chain_marks`] could have made (empty,
+/// too many, not from the first block, positions not increasing).
+pub fn marks_depth(marks: &[[u64; 2]], chain: &[u64]) -> Option<u32> {
+    if !marks_valid(marks) {
+        return None;
+    }
+    let mut depth = 0;
+    for &[pos, hash] in marks {
+        match usize::try_from(pos).ok().and_then(|p| chain.get(p)) {
+            Some(&h) if h == hash => depth = pos + 1,
+            _ => break,
+        }
+    }
+    Some(u32::try_from(depth).unwrap_or(u32::MAX))
+}
+
+/// Whether `marks` could be a [`chain_marks`] sample.
+pub fn marks_valid(marks: &[[u64; 2]]) -> bool {
+    !marks.is_empty()
+        && marks.len() <= MAX_CHAIN_MARKS
+        && marks[0][0] == 0
+        && marks.windows(2).all(|w| w[0][0] < w[1][0])
 }
 
 fn is_zero(v: &u64) -> bool {

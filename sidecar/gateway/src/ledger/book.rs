@@ -19,6 +19,17 @@ pub(super) struct RemoteShare {
     pub(super) blocks: u64,
     pub(super) prefix: Option<u64>,
     pub(super) inflight: bool,
+    /// Its chain's first block, when it sent marks ([`Book::remote_chains`]).
+    pub(super) first: Option<u64>,
+}
+
+/// Another replica's request in flight, as far as its marks tell its prompt.
+#[derive(Debug)]
+pub(super) struct RemoteChain {
+    pub(super) key: (String, String),
+    /// Where the prompt is being computed.
+    pub(super) pod: Arc<str>,
+    pub(super) marks: Box<[[u64; 2]]>,
 }
 
 #[derive(Default, Debug)]
@@ -53,6 +64,12 @@ pub(super) struct Book {
     /// This replica's decisions in flight that keep their chain, by its first block (the
     /// newest [`super::CHAINS_PER_PREFIX`]); an entry lives while it has any.
     pub(super) chains: HashMap<u64, VecDeque<u64>>,
+    /// Other replicas' requests in flight that sent their chain's marks, by its first
+    /// block (the newest [`super::CHAINS_PER_PREFIX`] there, [`super::MAX_REMOTE_CHAINS`]
+    /// in all, the oldest dropped first); an entry lives while it has any.
+    pub(super) remote_chains: HashMap<u64, VecDeque<RemoteChain>>,
+    /// Every remote chain filed, oldest first (some may have gone since).
+    pub(super) remote_chain_order: VecDeque<(u64, (String, String))>,
 }
 
 impl Book {
@@ -115,6 +132,30 @@ impl Book {
         }
     }
 
+    /// File another replica's request under its chain's first block, within the bounds.
+    pub(super) fn remote_chain_add(&mut self, first: u64, c: RemoteChain) {
+        self.remote_chain_order.push_back((first, c.key.clone()));
+        let q = self.remote_chains.entry(first).or_default();
+        q.push_back(c);
+        if q.len() > super::CHAINS_PER_PREFIX {
+            q.pop_front();
+        }
+        while self.remote_chain_order.len() > super::MAX_REMOTE_CHAINS {
+            if let Some((f, k)) = self.remote_chain_order.pop_front() {
+                self.remote_chain_remove(f, &k);
+            }
+        }
+    }
+
+    pub(super) fn remote_chain_remove(&mut self, first: u64, key: &(String, String)) {
+        if let Some(q) = self.remote_chains.get_mut(&first) {
+            q.retain(|c| c.key != *key);
+            if q.is_empty() {
+                self.remote_chains.remove(&first);
+            }
+        }
+    }
+
     /// Undo a local decision's load (it has left `decisions` already).
     pub(super) fn unload(&mut self, d: &Decision, now: f64, tps: f64) {
         if let Some(&first) = d.placement.chain.first() {
@@ -167,6 +208,9 @@ impl Book {
         }
         if let Some(k) = r.prefix {
             self.prefix_release(k, pod);
+        }
+        if let Some(f) = r.first {
+            self.remote_chain_remove(f, key);
         }
     }
 }

@@ -86,6 +86,7 @@ fn remote_adds_are_idempotent_and_expire() {
         session: None,
         response: None,
         bound_tokens: 0,
+        marks: Vec::new(),
     };
     assert!(!l.has_peers(now));
     assert!(l.apply_remote(&pod, &delta(LoadOp::Add, "x"), now, &cfg));
@@ -127,6 +128,7 @@ fn from_replica(replica: &str, id: &str) -> LoadDelta {
         session: None,
         response: None,
         bound_tokens: 0,
+        marks: Vec::new(),
     }
 }
 
@@ -230,6 +232,7 @@ fn hostile_replica_deltas_are_clamped_saturated_and_bounded() {
         session: None,
         response: None,
         bound_tokens: 0,
+        marks: Vec::new(),
     };
     assert!(l.apply_remote(&pod, &huge("x"), now, &cfg));
     assert!(l.apply_remote(&pod, &huge("y"), now, &cfg));
@@ -321,4 +324,102 @@ fn chains_in_flight_are_bounded_per_first_block() {
         l.release(id, now, &cfg);
     }
     assert!(l.book.lock().chains.is_empty());
+}
+
+/// Another replica's request in flight is found by a prompt that shares its chain, as
+/// deep as its marks vouch for, on the pod computing it; it goes with its release, its
+/// pod, or when newer ones push it past the bound; marks that no sender makes are refused
+/// with the delta.
+#[test]
+fn other_replicas_requests_in_flight_are_found_by_their_marks() {
+    let (a, cfg, now) = (ledger("a"), PolicyConfig::default(), Instant::now());
+    let b = ledger("b");
+    let pod: Arc<str> = Arc::from("a:1");
+    let chain: Arc<[u64]> = (1..=100u64).collect::<Vec<_>>().into();
+    let (id, deltas) = b.commit(
+        Placement {
+            chain: chain.clone(),
+            ..decision("a:1", None, None)
+        },
+        now,
+        &cfg,
+    );
+    assert_eq!(
+        deltas[0].marks.len(),
+        kvroute_shared::protocol::MAX_CHAIN_MARKS
+    );
+    assert!(a.apply_remote(&pod, &deltas[0], now, &cfg));
+    // The same prompt and a longer one: held to its last block (never weighed as a
+    // prefill to wait for: that is the other replica's projection).
+    let mut longer = chain.to_vec();
+    longer.extend(500..520);
+    for c in [&chain[..], &longer[..]] {
+        let f = a.in_flight(c, now);
+        assert_eq!(f.len(), 1);
+        assert_eq!((&*f[0].pod, f[0].held, f[0].prefilling), ("a:1", 100, 0));
+    }
+    // A prompt that leaves it at block 50: the deepest mark before that.
+    let mut fork = chain[..50].to_vec();
+    fork.extend(900..950);
+    let held = a.in_flight(&fork, now)[0].held;
+    assert!((45..=50).contains(&held), "{held}");
+    // Another first block: nothing.
+    assert!(a.in_flight(&[7, 8, 9], now).is_empty());
+    // Released: gone.
+    let (_, rel) = b.release(id, now, &cfg).expect("outstanding");
+    assert!(rel[0].marks.is_empty(), "a release carries none");
+    assert!(a.apply_remote(&pod, &rel[0], now, &cfg));
+    assert!(a.in_flight(&chain, now).is_empty());
+    // Marks no sender makes refuse the delta.
+    for marks in [
+        vec![[1, 2]],
+        vec![[0, 1], [5, 2], [5, 3]],
+        (0..=kvroute_shared::protocol::MAX_CHAIN_MARKS as u64)
+            .map(|i| [i, i])
+            .collect(),
+    ] {
+        let bad = LoadDelta {
+            id: "bad".into(),
+            marks,
+            ..deltas[0].clone()
+        };
+        assert!(!a.apply_remote(&pod, &bad, now, &cfg));
+    }
+    // Its pod removed: gone with it.
+    let (_, d2) = b.commit(
+        Placement {
+            chain: chain.clone(),
+            ..decision("a:1", None, None)
+        },
+        now,
+        &cfg,
+    );
+    assert!(a.apply_remote(&pod, &d2[0], now, &cfg));
+    assert_eq!(a.in_flight(&chain, now).len(), 1);
+    a.forget_pod("a:1", now, &cfg);
+    assert!(a.in_flight(&chain, now).is_empty());
+}
+
+/// Remote chains are bounded in all: past the bound the oldest lose their marks (their
+/// load stays).
+#[test]
+fn remote_chains_are_bounded() {
+    let (a, cfg, now) = (ledger("a"), PolicyConfig::default(), Instant::now());
+    let pod: Arc<str> = Arc::from("a:1");
+    for i in 0..=MAX_REMOTE_CHAINS as u64 {
+        let d = LoadDelta {
+            id: format!("x{i}"),
+            marks: vec![[0, 1_000_000 + i]],
+            ..from_replica("b", "")
+        };
+        assert!(a.apply_remote(&pod, &d, now, &cfg));
+    }
+    assert!(a.in_flight(&[1_000_000], now).is_empty(), "the oldest went");
+    assert_eq!(a.in_flight(&[1_000_001], now).len(), 1);
+    assert_eq!(
+        a.book.lock().remote_chain_order.len(),
+        MAX_REMOTE_CHAINS,
+        "the order is bounded too"
+    );
+    assert_eq!(a.remote_count("a:1"), MAX_REMOTE_CHAINS + 1);
 }

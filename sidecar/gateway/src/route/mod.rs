@@ -882,6 +882,7 @@ mod tests {
             session: Some(affinity::key("m", "roaming")),
             response: None,
             bound_tokens: 64 * 16,
+            marks: Vec::new(),
         };
         other.apply_remote(&d);
         let a = route(&other, &turn(7777, Some("roaming"), None)).expect("route");
@@ -988,6 +989,7 @@ mod tests {
             session: None,
             response: None,
             bound_tokens: 0,
+            marks: Vec::new(),
         };
         let n = |sc: &Sidecar| sc.ledger().prefix_inflight(8).get("10.0.0.1:8000").copied();
         sc.apply_remote(&delta(LoadOp::Add, "x1"));
