@@ -6,7 +6,7 @@
 //! a request whose prefix is being computed somewhere goes there, whichever replica
 //! sent the first (with four gateways on the overloaded Mooncake trace, replicas that
 //! knew only their own sent followers elsewhere: 37.0 s mean TTFT against one gateway's
-//! 17.9 s, now 18.4 s).
+//! 17.9 s, now 18.7 s).
 //!
 //! Its rules, kept here and nowhere else:
 //! - a decision is added once, under an id the ledger issues (never a client's header),
@@ -172,7 +172,7 @@ pub const IN_FLIGHT_BLOCKS: usize = 1 << 14;
 /// by every request in flight costs a route at most this many comparisons of chains.
 const CHAINS_PER_PREFIX: usize = 32;
 /// Other replicas' requests in flight whose chain marks are kept, in all (each at most
-/// [`kvroute_shared::protocol::MAX_CHAIN_MARKS`] marks: about 10 MB at the bound).
+/// [`kvroute_shared::protocol::MAX_CHAIN_MARKS`] marks: about 3 MB at the bound).
 pub const MAX_REMOTE_CHAINS: usize = 1 << 14;
 
 impl Ledger {
