@@ -307,6 +307,17 @@ async fn replicas_share_their_queues_and_forgeries_are_counted() {
         );
         async move { api.metric(&name).await }
     };
+    // Until replica a has counted at least one queue state with `outcome`.
+    let counted = |outcome: &'static str, what: &'static str| {
+        let ra = ra.clone();
+        eventually(
+            move || {
+                let a = ra.clone();
+                Box::pin(async move { count(&a, outcome).await >= 1.0 })
+            },
+            what,
+        )
+    };
     // b fills its one slot and queues a light tenant's request: a holds no queue yet.
     let light = |n: u32| {
         let mut r = kvroute_tests::client::route_req(M, &chain(M, 90 + n, 4, 16), 16);
@@ -315,27 +326,11 @@ async fn replicas_share_their_queues_and_forgeries_are_counted() {
     };
     assert_eq!(rb.post("/v1/route", light(0)).await.status, 200);
     assert_eq!(rb.post("/v1/route", light(1)).await.status, 202);
-    let ra2 = ra.clone();
-    eventually(
-        move || {
-            let a = ra2.clone();
-            Box::pin(async move { count(&a, "no_room").await >= 1.0 })
-        },
-        "a hears b's queue, holding none itself",
-    )
-    .await;
+    counted("no_room", "a hears b's queue, holding none itself").await;
     // Once a queues too (the pod is full with b's request, which a heard of), it takes
     // b's states (sent again while the light one waits).
     assert_eq!(ra.post("/v1/route", light(2)).await.status, 202);
-    let ra2 = ra.clone();
-    eventually(
-        move || {
-            let a = ra2.clone();
-            Box::pin(async move { count(&a, "applied").await >= 1.0 })
-        },
-        "a takes b's queue state",
-    )
-    .await;
+    counted("applied", "a takes b's queue state").await;
     assert!(count(&rb, "published").await >= 1.0);
     let status = ra.get("/v1/status").await.json;
     assert_eq!(status["admission"]["peers"], 1, "{}", status["admission"]);
@@ -353,15 +348,7 @@ async fn replicas_share_their_queues_and_forgeries_are_counted() {
         ("subject_mismatch", "a state on another replica's subject"),
         ("malformed", "a payload that is no state"),
     ] {
-        let ra2 = ra.clone();
-        eventually(
-            move || {
-                let a = ra2.clone();
-                Box::pin(async move { count(&a, outcome).await >= 1.0 })
-            },
-            what,
-        )
-        .await;
+        counted(outcome, what).await;
     }
 }
 
