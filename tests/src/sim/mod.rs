@@ -15,7 +15,8 @@
 //! tokenizer): each chain block is that many canonical bytes, which the pods tokenize at
 //! the conversation's own bytes per token, and no pod event names a text block. With several gateways,
 //! each one's load deltas reach the others after `delta_delay_s` (or never, with
-//! `replica_sync` off: the herding a router without replica sync shows).
+//! `replica_sync` off: the herding a router without replica sync shows), and so does its
+//! admission queue's state after each change (the service sends it within 20 ms of one).
 
 mod baselines;
 mod report;
