@@ -223,13 +223,14 @@ async fn replicas_see_each_others_decisions() {
         until_connected(api).await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let mut decisions = Vec::new();
+    let (mut decisions, mut placed) = (Vec::new(), Vec::new());
     for i in 0..10 {
         let mut r = kvroute_tests::client::route_req(M, &chain(M, 40 + i, 4, 16), 16);
         r.request_id = Some(format!("a{i}"));
         let resp = ra.post("/v1/route", &r).await;
         assert_eq!(resp.status, 200);
         decisions.push(resp.json["decision"].as_str().unwrap_or("").to_string());
+        placed.push(resp.json["pod"].as_str().unwrap_or("").to_string());
     }
     let inflight = |api: Api| async move {
         let pods = api.get("/v1/pods").await.json;
@@ -251,6 +252,36 @@ async fn replicas_see_each_others_decisions() {
         "replica b sees a's 10 decisions",
     )
     .await;
+    // And their prompts: a follower of each (the same four blocks and two more), routed
+    // at b before any engine reported a block, goes where a's request is computing it.
+    for (i, pod) in placed.iter().enumerate() {
+        let mut follower = chain(M, 40 + i as u32, 4, 16);
+        follower.extend(chain(M, 900 + i as u32, 2, 16));
+        let mut r = kvroute_tests::client::route_req(M, &follower, 16);
+        r.dry_run = true;
+        r.explain = true;
+        let resp = rb.post("/v1/route", &r).await;
+        assert_eq!(resp.status, 200);
+        assert_eq!(
+            resp.json["pod"].as_str(),
+            Some(pod.as_str()),
+            "follower {i}: {}",
+            resp.json
+        );
+        // Held there as deep as a's prompt (the marks of four blocks are every block).
+        let held: Vec<(String, u64)> = resp.json["explain"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|c| {
+                let pod = c["pod"].as_str().unwrap_or("").to_string();
+                (pod, c["in_flight"].as_u64().unwrap_or(0))
+            })
+            .collect();
+        for (p, n) in held {
+            assert_eq!(n, if p == *pod { 4 } else { 0 }, "follower {i} on {p}");
+        }
+    }
     // b has heard a (a has heard nothing of b, which decided nothing): its status shows
     // the two-replica set and its rank in it, by id.
     let (sa, sb) = (
