@@ -66,7 +66,9 @@ fn class(r: &sim::SimResult, priority: i32, tenant: u32) -> &ClassFigures {
 
 #[test]
 fn the_high_band_overtakes_and_the_low_band_is_shed_not_lost() {
-    for seed in 1..=3 {
+    // Seeds 4 and 6 are where the light tenant's share was thinnest (38-39% before a
+    // tenant short of its turns was relaxed after one pass).
+    for seed in 1..=6 {
         overload(seed);
     }
 }
@@ -147,9 +149,8 @@ fn overload_with(seed: u64, gateways: usize) -> (f64, f64, u64, f64) {
         );
     }
     // The light tenant takes its turns: it is shed no more often than the heavy one, and
-    // of what leaves the low band while both wait there it gets the 40% (42-45% on
-    // seeds 1-3 with one gateway; with four, counted replica by replica, 43-45% on seeds
-    // 1-2, where it was 41-42% before replicas shared their queues).
+    // of what leaves the low band while both wait there it gets the 40% (45-47% on
+    // seeds 1-6 with one gateway; with four, counted replica by replica, 45-51%).
     let (heavy, light) = (class(&gated, 0, 0), class(&gated, 0, 1));
     assert!(
         light.shed as f64 / light.requests as f64 <= heavy.shed as f64 / heavy.requests as f64,

@@ -123,7 +123,7 @@ pub enum Step<R> {
 /// It then takes room wherever there is some (its headroom's `cache_loss` lifted), so
 /// waiting for the cache does not cost a light tenant its turns: at 10:1 its requests,
 /// waiting for their prefixes' pods while the heavy tenant's found room elsewhere, had
-/// left in 27-30% of the contested turns, and now in 42-45% (docs/policy.md).
+/// left in 27-30% of the contested turns, and now in 45-47% (docs/policy.md).
 pub fn look<T, R>(
     q: &mut AdmissionQueue<T>,
     now: Instant,

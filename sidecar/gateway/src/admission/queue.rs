@@ -34,6 +34,18 @@ pub const PASSED_TO_RELAX: u32 = 2;
 /// How many times more requests another waiting tenant must have had leave for one to
 /// count as behind.
 pub const BEHIND_FACTOR: u64 = 4;
+/// What each tenant's count of contested turns (requests of its that left while another
+/// tenant of the band waited) keeps per contested departure: about the last
+/// `1 / (1 - TURNS_DECAY)` = 33 of them count.
+const TURNS_DECAY: f64 = 0.97;
+/// A tenant whose recent contested turns are under this fraction of an even share (half
+/// of them with two tenants waiting) is behind after one pass instead of
+/// [`PASSED_TO_RELAX`]. At 10:1 (seeds 1-6, one gateway) two passes always left the
+/// light tenant 39-45% of the contested turns, one pass always 49-55% at hit 0.799-0.819;
+/// one pass while short of its share, 45-47% at 0.799-0.822 (queue-less: 0.756-0.786).
+pub const SHARE_FLOOR: f64 = 0.9;
+/// Contested turns counted before a share is judged at all.
+const TURNS_TO_JUDGE: f64 = 4.0;
 
 /// The queue's bounds, both hard: a request that would cross one is refused (or, if a
 /// lower band holds requests, the newest of the lowest band makes room for it).
@@ -104,7 +116,37 @@ struct Band<T> {
     passed: HashMap<Arc<str>, u32>,
     /// Requests each tenant with requests here has had leave since it last had none.
     served: HashMap<Arc<str>, u64>,
+    /// Each tenant's recent contested turns, decayed by [`TURNS_DECAY`] per contested
+    /// departure; a tenant whose count falls under 0.01 is forgotten, so the map holds
+    /// no more tenants than about the last 150 such departures had.
+    turns: HashMap<Arc<str>, f64>,
     len: usize,
+}
+
+impl<T> Band<T> {
+    /// `tenant`'s request left: a contested turn if another tenant still waits here.
+    fn count_turn(&mut self, tenant: &Arc<str>) {
+        if !self.tenants.keys().any(|t| t != tenant) {
+            return;
+        }
+        self.turns.retain(|_, n| {
+            *n *= TURNS_DECAY;
+            *n >= 0.01
+        });
+        *self.turns.entry(tenant.clone()).or_insert(0.0) += 1.0;
+    }
+
+    /// Whether `tenant` has had under [`SHARE_FLOOR`] of an even share of the recent
+    /// contested turns among the tenants waiting here now.
+    fn short_of_turns(&self, tenant: &str) -> bool {
+        let waiting = self.tenants.len();
+        if waiting < 2 || !self.tenants.contains_key(tenant) {
+            return false;
+        }
+        let of = |t: &str| self.turns.get(t).copied().unwrap_or(0.0);
+        let total: f64 = self.tenants.keys().map(|t| of(t)).sum();
+        total >= TURNS_TO_JUDGE && of(tenant) < SHARE_FLOOR / waiting as f64 * total
+    }
 }
 
 impl<T> Default for Band<T> {
@@ -114,6 +156,7 @@ impl<T> Default for Band<T> {
             turn: VecDeque::new(),
             passed: HashMap::new(),
             served: HashMap::new(),
+            turns: HashMap::new(),
             len: 0,
         }
     }
@@ -321,17 +364,24 @@ impl<T> AdmissionQueue<T> {
     }
 
     /// Whether `tenant` is behind in `priority`'s band: its requests were passed over
-    /// [`PASSED_TO_RELAX`] times since one of them last left, and another tenant waiting
-    /// there has had over [`BEHIND_FACTOR`] times as many leave. Its next one should
-    /// take room wherever there is some. Tenants of about equal volume are never behind
-    /// (the turns already share between them; relaxing them spilled prompts off their
-    /// caches, 0.855 → 0.78 hit rate with four equal tenants), nor is the one served most.
+    /// [`PASSED_TO_RELAX`] times since one of them last left (once, while its share of
+    /// the recent contested turns is under [`SHARE_FLOOR`] of an even one), and another
+    /// tenant waiting there has had over [`BEHIND_FACTOR`] times as many leave. Its next
+    /// one should take room wherever there is some. Tenants of about equal volume are
+    /// never behind (the turns already share between them; relaxing them spilled prompts
+    /// off their caches, 0.855 → 0.78 hit rate with four equal tenants), nor is the one
+    /// served most.
     pub fn passed_over(&self, priority: i32, tenant: &str) -> bool {
         let Some(b) = self.bands.get(&Reverse(priority)) else {
             return false;
         };
         let mine = b.served.get(tenant).copied().unwrap_or(0);
-        b.passed.get(tenant).is_some_and(|&n| n >= PASSED_TO_RELAX)
+        let needed = if b.short_of_turns(tenant) {
+            1
+        } else {
+            PASSED_TO_RELAX
+        };
+        b.passed.get(tenant).is_some_and(|&n| n >= needed)
             && b.served.iter().any(|(t, &n)| {
                 &**t != tenant && n > BEHIND_FACTOR * mine && b.tenants.contains_key(t)
             })
@@ -343,6 +393,7 @@ impl<T> AdmissionQueue<T> {
         let e = self.cancel(ticket)?;
         self.fleet.left(e.priority, &e.tenant, now);
         if let Some(band) = self.bands.get_mut(&Reverse(e.priority)) {
+            band.count_turn(&e.tenant);
             band.passed.remove(&e.tenant);
             if band.tenants.contains_key(&e.tenant) {
                 *band.served.entry(e.tenant.clone()).or_insert(0) += 1;
@@ -564,6 +615,52 @@ mod tests {
         q2.note_passed(0, &Arc::from("a"));
         q2.note_passed(0, &Arc::from("a"));
         assert!(!q2.passed_over(0, "a"));
+    }
+
+    /// A tenant that has had its share of the recent contested turns is behind after two
+    /// passes; one short of it, after one.
+    #[test]
+    fn a_tenant_short_of_its_turns_is_behind_after_one_pass() {
+        let now = Instant::now();
+        let light: Arc<str> = Arc::from("light");
+        let mut q = q(100, 1 << 20);
+        for i in 0..40 {
+            q.push(arrival(0, "heavy", 1, i), now).expect("queued");
+        }
+        let take_heavy = |q: &mut AdmissionQueue<u32>| {
+            let t = q
+                .order(100)
+                .into_iter()
+                .find(|t| q.get(*t).is_some_and(|e| e.tenant.as_ref() == "heavy"))
+                .expect("a heavy request");
+            q.take(t, now).expect("taken");
+        };
+        // Turns taken in alternation, each while the other tenant waited.
+        for i in 0..5 {
+            let t = q
+                .push(arrival(0, "light", 1, 100 + i), now)
+                .expect("queued")
+                .ticket;
+            q.take(t, now).expect("taken");
+            take_heavy(&mut q);
+        }
+        let t = q
+            .push(arrival(0, "light", 1, 200), now)
+            .expect("queued")
+            .ticket;
+        q.note_passed(0, &light);
+        assert!(!q.passed_over(0, "light"), "it had its share: two passes");
+        q.note_passed(0, &light);
+        assert!(q.passed_over(0, "light"));
+        q.take(t, now).expect("taken");
+        // Then eight of the heavy tenant's leave while the light one's next waits.
+        q.push(arrival(0, "light", 1, 300), now).expect("queued");
+        for _ in 0..8 {
+            take_heavy(&mut q);
+        }
+        assert!(!q.passed_over(0, "light"), "not passed over yet");
+        q.note_passed(0, &light);
+        assert!(q.passed_over(0, "light"), "short of its turns: one pass");
     }
 
     #[test]
