@@ -395,23 +395,54 @@ pub async fn run(
     concurrency: usize,
     progress: impl Fn(usize, usize) + Send + Sync + 'static,
 ) -> Vec<Outcome> {
+    run_via(&[base.to_string()], sessions, concurrency, progress).await
+}
+
+/// Gateway replicas behind one address, as a load balancer spreads requests over them:
+/// each request goes to the next in turn, whatever its session.
+#[derive(Clone)]
+struct Spread {
+    bases: Arc<[String]>,
+    next: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Spread {
+    fn new(bases: &[String]) -> Spread {
+        Spread {
+            bases: bases.into(),
+            next: Arc::default(),
+        }
+    }
+
+    fn pick(&self) -> &str {
+        let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.bases
+            .get(n % self.bases.len().max(1))
+            .map_or("", String::as_str)
+    }
+}
+
+/// [`run`] through several gateway replicas, each request to the next ([`Spread`]).
+pub async fn run_via(
+    bases: &[String],
+    sessions: &[Session],
+    concurrency: usize,
+    progress: impl Fn(usize, usize) + Send + Sync + 'static,
+) -> Vec<Outcome> {
     let http = reqwest::Client::new();
     let total: usize = sessions.iter().map(|s| s.len()).sum();
     let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let progress = Arc::new(progress);
+    let spread = Spread::new(bases);
     let results = futures::stream::iter(sessions.iter().cloned())
         .map(|s| {
-            let (http, base, done, progress) = (
-                http.clone(),
-                base.to_string(),
-                done.clone(),
-                progress.clone(),
-            );
+            let (http, spread, done, progress) =
+                (http.clone(), spread.clone(), done.clone(), progress.clone());
             async move {
                 let mut out = Vec::new();
                 let mut replies = Vec::new();
                 for c in &s {
-                    let o = call(&http, &base, &with_replies(c, &replies)).await;
+                    let o = call(&http, spread.pick(), &with_replies(c, &replies)).await;
                     if matches!(c, Call::Chat(_)) {
                         replies.push(o.reply.clone());
                     }
@@ -441,7 +472,17 @@ pub struct Timed {
 /// Replay `items` against `base` on their clock (open loop across sessions, closed within
 /// one), at most `max_in_flight` at once. Outcomes in `items` order.
 pub async fn run_timed(base: &str, items: &[Timed], max_in_flight: usize) -> Vec<Outcome> {
+    run_timed_via(&[base.to_string()], items, max_in_flight).await
+}
+
+/// [`run_timed`] through several gateway replicas, each request to the next ([`Spread`]).
+pub async fn run_timed_via(
+    bases: &[String],
+    items: &[Timed],
+    max_in_flight: usize,
+) -> Vec<Outcome> {
     let http = reqwest::Client::new();
+    let spread = Spread::new(bases);
     let mut sessions: BTreeMap<(bool, u64), Vec<usize>> = BTreeMap::new();
     for (i, t) in items.iter().enumerate() {
         let key = t.session.map_or((false, i as u64), |s| (true, s));
@@ -455,7 +496,7 @@ pub async fn run_timed(base: &str, items: &[Timed], max_in_flight: usize) -> Vec
             .into_iter()
             .map(|i| (i, items[i].at, items[i].call.clone()))
             .collect();
-        let (http, base, gate) = (http.clone(), base.to_string(), gate.clone());
+        let (http, spread, gate) = (http.clone(), spread.clone(), gate.clone());
         tasks.spawn(async move {
             let mut out = Vec::new();
             for (i, at, c) in reqs {
@@ -463,7 +504,7 @@ pub async fn run_timed(base: &str, items: &[Timed], max_in_flight: usize) -> Vec
                 let Ok(_permit) = gate.acquire().await else {
                     break;
                 };
-                out.push((i, call(&http, &base, &c).await));
+                out.push((i, call(&http, spread.pick(), &c).await));
             }
             out
         });

@@ -1,7 +1,8 @@
 //! The whole stack on loopback: nats-server, the sidecar (Unix socket + NATS), N engine
 //! simulators, Envoy with the kvroute filter, and a plain round-robin Envoy over the same
-//! engines for comparison. Every process is killed when the [`Stack`] drops, also when a
-//! test panics; [`crate::procs::Child`] runs each in its own process group.
+//! engines for comparison; [`Stack::replica`] adds a second gateway replica. Every process
+//! is killed when the [`Stack`] drops, also when a test panics; [`crate::procs::Child`]
+//! runs each in its own process group.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -145,6 +146,39 @@ pub struct Stack {
     pub plain: Envoy,
     pub api: Api,
     pub opts: StackOpts,
+    /// The sidecar's command line, for [`Stack::replica`].
+    sidecar_args: Vec<String>,
+}
+
+/// A second gateway replica over the same engines: its own sidecar (sharing the stack's
+/// NATS, so it hears the same engine events and the first replica's decisions) and its
+/// own Envoy with the filter.
+pub struct Replica {
+    pub sidecar: SidecarProc,
+    pub envoy: Envoy,
+    pub api: Api,
+}
+
+/// Register the engines as pods of model "m" with a sidecar (with the URL it resyncs
+/// each from: its bridge's dump, or the engine's own).
+async fn register(
+    api: &Api,
+    engines: &[EngineProc],
+    bridges: &[BridgeProc],
+    dumps: bool,
+) -> anyhow::Result<()> {
+    for (i, e) in engines.iter().enumerate() {
+        let mut reg = json!({"model": "m"});
+        if dumps {
+            reg["dump_url"] = match bridges.get(i) {
+                Some(b) => json!(format!("http://{}/dump", b.listen)),
+                None => json!(format!("http://{}/kvroute/dump", e.addr)),
+            };
+        }
+        let r = api.put(&format!("/v1/pods/{}", e.addr), &reg).await;
+        anyhow::ensure!(r.status == 200, "registering {}: {}", e.addr, r.json);
+    }
+    Ok(())
 }
 
 impl Stack {
@@ -205,17 +239,7 @@ impl Stack {
                 )?);
             }
         }
-        for (i, e) in engines.iter().enumerate() {
-            let mut reg = json!({"model": "m"});
-            if o.register_dumps {
-                reg["dump_url"] = match bridges.get(i) {
-                    Some(b) => json!(format!("http://{}/dump", b.listen)),
-                    None => json!(format!("http://{}/kvroute/dump", e.addr)),
-                };
-            }
-            let r = api.put(&format!("/v1/pods/{}", e.addr), &reg).await;
-            anyhow::ensure!(r.status == 200, "registering {}: {}", e.addr, r.json);
-        }
+        register(&api, &engines, &bridges, o.register_dumps).await?;
         let wasm = crate::wasm_path();
         anyhow::ensure!(
             wasm.exists(),
@@ -255,6 +279,39 @@ impl Stack {
             plain,
             api,
             opts: o,
+            sidecar_args: sargs,
+        })
+    }
+
+    /// Start another gateway replica ([`Replica`]) with the stack's settings and pods.
+    pub async fn replica(&self) -> anyhow::Result<Replica> {
+        let sref: Vec<&str> = self.sidecar_args.iter().map(String::as_str).collect();
+        let sidecar = SidecarProc::start(&sref, true)?;
+        let api = Api::new(sidecar.addr);
+        register(&api, &self.engines, &self.bridges, self.opts.register_dumps).await?;
+        let layout = EnvoyLayout {
+            listen_port: 0,
+            sidecar: SidecarAddr::Uds(sidecar.uds.clone().unwrap_or_default()),
+            engines: self.engines.iter().map(|e| e.addr).collect(),
+            wasm_path: crate::wasm_path(),
+            filter_config: self.opts.filter_config.clone(),
+            with_filter: true,
+            fallback: Fallback::RoundRobin,
+            access_log: false,
+        };
+        let envoy = tokio::task::spawn_blocking(move || Envoy::start(&layout)).await??;
+        if self.nats.is_some() {
+            for _ in 0..200 {
+                if api.metric("kvroute_nats_connected").await == 1.0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+        }
+        Ok(Replica {
+            sidecar,
+            envoy,
+            api,
         })
     }
 

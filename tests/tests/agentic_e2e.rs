@@ -15,9 +15,6 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use kvroute_tests::client::Api;
-use kvroute_tests::envoy::{Envoy, EnvoyLayout, Fallback, SidecarAddr};
-use kvroute_tests::services::SidecarProc;
 use kvroute_tests::stack::{Stack, StackOpts};
 use serde_json::Value;
 
@@ -164,25 +161,8 @@ async fn agent_sessions_stay_with_their_pods() {
     assert_eq!(status["bindings"]["response"], 24, "{}", status["bindings"]);
 
     // A second gateway replica: its own sidecar (the same NATS) behind its own Envoy.
-    let nats = stack.nats.as_ref().map(|n| n.url()).unwrap_or_default();
-    let tok = format!("--tokenizer=m={}", dir.display());
-    let side2 = SidecarProc::start(&["--nats", &nats, &tok], true).expect("sidecar 2");
-    let api2 = Api::new(side2.addr);
-    for e in &stack.engines {
-        let r = api2
-            .put(
-                &format!("/v1/pods/{}", e.addr),
-                &serde_json::json!({"model": "m"}),
-            )
-            .await;
-        assert_eq!(r.status, 200);
-    }
-    for _ in 0..200 {
-        if api2.metric("kvroute_nats_connected").await == 1.0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    let replica = stack.replica().await.expect("replica");
+    let api2 = &replica.api;
     tokio::time::sleep(Duration::from_millis(300)).await;
     // Bindings made before it started are not replayed; the sessions' next turns on the
     // first gateway are heard by both.
@@ -198,21 +178,7 @@ async fn agent_sessions_stay_with_their_pods() {
         "replica 2 heard the responses' bindings: {} {}",
         heard["bindings"], heard["counters"]
     );
-    let layout = EnvoyLayout {
-        listen_port: 0,
-        sidecar: SidecarAddr::Uds(side2.uds.clone().unwrap_or_default()),
-        engines: stack.engines.iter().map(|e| e.addr).collect(),
-        wasm_path: kvroute_tests::wasm_path(),
-        filter_config: stack.opts.filter_config.clone(),
-        with_filter: true,
-        fallback: Fallback::RoundRobin,
-        access_log: false,
-    };
-    let envoy2 = tokio::task::spawn_blocking(move || Envoy::start(&layout))
-        .await
-        .expect("join")
-        .expect("envoy 2");
-    let (u2, st) = (envoy2.url(""), state.clone());
+    let (u2, st) = (replica.envoy.url(""), state.clone());
     let second = tokio::task::spawn_blocking(move || run(&u2, 3, 3, "c", "responses", &st)).await;
     if second.is_err() {
         let d = api2.get("/v1/decisions?limit=6").await.json;
@@ -249,7 +215,7 @@ async fn agent_sessions_stay_with_their_pods() {
         .find(|h| h.0 == "messages" && h.1 == 0)
         .map(|h| h.2.clone())
         .expect("session 0");
-    for a in [&stack.api, &api2] {
+    for a in [&stack.api, api2] {
         let r = a.delete(&format!("/v1/pods/{gone}")).await;
         assert!(r.status / 100 == 2, "{}", r.json);
     }
@@ -260,5 +226,5 @@ async fn agent_sessions_stay_with_their_pods() {
     assert_eq!(moved.len(), 3);
     let new_home = pods_per_session(&moved, true);
     assert_ne!(new_home[0].2, gone, "rebound off the removed pod");
-    drop(envoy2);
+    drop(replica);
 }

@@ -3,10 +3,12 @@
 //! One stack (NATS, sidecar, 4 engine simulators publishing vLLM's ZMQ events with a
 //! `kvroute-bridge` beside each, tokenizing with a real model directory) and every
 //! gateway over those engines: round-robin Envoy, kvroute precise and predicted (Envoy +
-//! filter + the one sidecar), and the peers of [`crate::peers`] as shipped. Each
-//! workload runs through every gateway in turn, `rounds` times with the order rotated,
-//! every run with fresh prefixes on engines whose caches are full of other runs' blocks,
-//! so each router meets the steady state and the machine's noise touches all alike.
+//! filter + the one sidecar), and the peers of [`crate::peers`] as shipped; when named,
+//! also kvroute behind two gateway replicas ([`crate::stack::Stack::replica`], requests
+//! spread over them one by one). Each workload runs through every gateway in turn,
+//! `rounds` times with the order rotated, every run with fresh prefixes on engines whose
+//! caches are full of other runs' blocks, so each router meets the steady state and the
+//! machine's noise touches all alike.
 //!
 //! Workloads: `chat` (multi-turn chat over shared long system prompts, closed loop),
 //! `mooncake` (the public Mooncake trace, on its clock) and `agentic` (the Claude Code
@@ -74,12 +76,16 @@ impl Default for Opts {
     }
 }
 
-/// A gateway under test: where to send requests and which processes are its cost.
+/// A gateway under test: where to send requests (several replicas: each request to the
+/// next) and which processes are its cost.
 struct Gateway {
     label: String,
-    base: String,
+    bases: Vec<String>,
     pids: Vec<u32>,
 }
+
+/// The gateway of two kvroute replicas sharing NATS over the same engines.
+const REPLICAS: &str = "kvroute precise 2 replicas";
 
 /// CPU seconds (user + system) of a process so far.
 fn cpu_s(pid: u32) -> f64 {
@@ -143,14 +149,14 @@ enum Load {
 }
 
 impl Load {
-    async fn run(&self, base: &str, seed: u64, o: &Opts) -> Vec<demo::Outcome> {
+    async fn run(&self, bases: &[String], seed: u64, o: &Opts) -> Vec<demo::Outcome> {
         match self {
             Load::Chat(c) => {
                 let s = demo::chat_load(ChatLoad { seed, ..*c });
-                demo::run(base, &s, 8, |_, _| {}).await
+                demo::run_via(bases, &s, 8, |_, _| {}).await
             }
             Load::Trace(reqs, secs) => {
-                demo::run_timed(base, &timed(reqs, *secs, seed, o), 64).await
+                demo::run_timed_via(bases, &timed(reqs, *secs, seed, o), 64).await
             }
         }
     }
@@ -277,7 +283,7 @@ async fn overhead(
         let e = engines[i % engines.len()];
         direct.push(send(format!("http://{e}"), p).await?);
         for (g, s) in gws.iter().zip(per.iter_mut()) {
-            s.push(send(g.base.clone(), p).await?);
+            s.push(send(g.bases[i % g.bases.len()].clone(), p).await?);
         }
     }
     let (d50, d99) = (direct.pct(50.0) as f64, direct.pct(99.0) as f64);
@@ -340,24 +346,48 @@ pub async fn run(o: &Opts) -> anyhow::Result<Value> {
         tokio::task::spawn_blocking(move || Envoy::start(&predicted_layout)).await??;
     let mut kvroute_pids = vec![stack.sidecar.pid()];
     kvroute_pids.extend(stack.bridges.iter().map(|b| b.child.pid()));
+    let want = |l: &str| o.gateways.is_empty() || o.gateways.iter().any(|g| g == l);
+    // A second replica only when asked for by name: it is kvroute behind a load balancer
+    // that spreads every session's turns over two gateways, not another router.
+    let replica = if o.gateways.iter().any(|g| g == REPLICAS) {
+        let r = stack.replica().await?;
+        r.api.merge_config(&settings).await?;
+        Some(r)
+    } else {
+        None
+    };
     let mut gws = vec![
         Gateway {
             label: "round-robin Envoy".into(),
-            base: stack.plain.url(""),
+            bases: vec![stack.plain.url("")],
             pids: vec![stack.plain.child.pid()],
         },
         Gateway {
             label: "kvroute precise".into(),
-            base: stack.envoy.url(""),
+            bases: vec![stack.envoy.url("")],
             pids: [vec![stack.envoy.child.pid()], kvroute_pids.clone()].concat(),
         },
         Gateway {
             label: "kvroute predicted".into(),
-            base: predicted.url(""),
-            pids: [vec![predicted.child.pid()], kvroute_pids].concat(),
+            bases: vec![predicted.url("")],
+            pids: [vec![predicted.child.pid()], kvroute_pids.clone()].concat(),
         },
     ];
-    let want = |l: &str| o.gateways.is_empty() || o.gateways.iter().any(|g| g == l);
+    if let Some(r) = &replica {
+        gws.push(Gateway {
+            label: REPLICAS.into(),
+            bases: vec![stack.envoy.url(""), r.envoy.url("")],
+            pids: [
+                vec![
+                    stack.envoy.child.pid(),
+                    r.envoy.child.pid(),
+                    r.sidecar.pid(),
+                ],
+                kvroute_pids,
+            ]
+            .concat(),
+        });
+    }
     let mut peers = Vec::new();
     for k in Kind::ALL.into_iter().filter(|k| want(k.label())) {
         let log = std::env::temp_dir().join(format!(
@@ -369,7 +399,7 @@ pub async fn run(o: &Opts) -> anyhow::Result<Value> {
         let p = Peer::start(k, &stack.workers(), 16, &log).await?;
         gws.push(Gateway {
             label: k.label().into(),
-            base: p.url.clone(),
+            bases: vec![p.url.clone()],
             pids: vec![p.pid()],
         });
         peers.push(p);
@@ -399,7 +429,7 @@ pub async fn run(o: &Opts) -> anyhow::Result<Value> {
                 let seed = 1000 * (wi as u64 + 1) + 100 * round as u64 + gi as u64;
                 let cpu0 = cpu_of(&g.pids);
                 let t = Instant::now();
-                let outcomes = l.run(&g.base, seed, o).await;
+                let outcomes = l.run(&g.bases, seed, o).await;
                 let cpu = cpu_of(&g.pids) - cpu0;
                 let s = demo::summarize(&outcomes);
                 eprintln!(
@@ -454,6 +484,7 @@ pub async fn run(o: &Opts) -> anyhow::Result<Value> {
         .collect::<serde_json::Map<_, _>>()
         .into();
     drop(peers);
+    drop(replica);
     drop(predicted);
     drop(stack);
     Ok(out)
