@@ -425,7 +425,7 @@ mod tests {
             let t = printing_tokenizer();
             if let Ok(chat) = t.messages_to_chat(&body) {
                 prop_assert_eq!(chat.get_attr("messages").map(|m| m.kind()).ok(), Some(ValueKind::Seq));
-                let _ = t.tokenize_value(true, &chat);
+                let _ = t.tokenize_value(true, &chat, 0);
             }
             let v = Value::from_serialize(&body);
             let _ = convert_tools(&v);

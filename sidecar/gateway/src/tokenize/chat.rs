@@ -10,12 +10,13 @@ use super::{parse_body, template, ModelTokenizer, TokenizeError};
 impl ModelTokenizer {
     /// The chat prompt as the engine renders it. `body` is the request body's JSON.
     pub fn render_chat(&self, body: &Value) -> Result<String, TokenizeError> {
-        self.render_chat_value(&minijinja::Value::from_serialize(body))
+        self.render_chat_value(&minijinja::Value::from_serialize(body), 0)
     }
 
     pub(super) fn render_chat_value(
         &self,
         body: &minijinja::Value,
+        size_hint: usize,
     ) -> Result<String, TokenizeError> {
         use minijinja::value::ValueKind;
         let env = self.env.as_ref().ok_or(TokenizeError::NoTemplate)?;
@@ -85,7 +86,7 @@ impl ModelTokenizer {
                 ctx.insert("documents".into(), d);
             }
         }
-        let mut text = template::render(env, minijinja::Value::from(ctx))
+        let mut text = template::render(env, minijinja::Value::from(ctx), size_hint)
             .map_err(|e| TokenizeError::Template(e.to_string()))?;
         if flag("continue_final_message", false) {
             cut_after_final(&mut text, &messages)?;
@@ -96,7 +97,7 @@ impl ModelTokenizer {
     /// [`ModelTokenizer::render_chat`] of a body given as JSON text: the route path's
     /// first stage (parse and render), on its own so a benchmark can say what it costs.
     pub fn render_chat_json(&self, json: &str) -> Result<String, TokenizeError> {
-        self.render_chat_value(&parse_body(json)?)
+        self.render_chat_value(&parse_body(json)?, json.len())
     }
 }
 

@@ -270,13 +270,13 @@ impl ModelTokenizer {
     /// The token ids of a request body: chat (rendered, then encoded without added
     /// special tokens) or completions (a string prompt, encoded with them).
     pub fn tokenize_request(&self, chat: bool, body: &Value) -> Result<Vec<u32>, TokenizeError> {
-        self.tokenize_value(chat, &minijinja::Value::from_serialize(body))
+        self.tokenize_value(chat, &minijinja::Value::from_serialize(body), 0)
     }
 
     /// [`ModelTokenizer::tokenize_request`] of a body given as JSON text (the route
     /// path: parsed once, straight into the template's values).
     pub fn tokenize_json(&self, chat: bool, json: &str) -> Result<Vec<u32>, TokenizeError> {
-        self.tokenize_value(chat, &parse_body(json)?)
+        self.tokenize_value(chat, &parse_body(json)?, json.len())
     }
 
     /// The token ids of a request's template fields from the API they were sent to:
@@ -296,11 +296,11 @@ impl ModelTokenizer {
             // Parsed once into the template's values, converted without copying text.
             Some(PromptApi::Messages) => {
                 let chat = self.messages_to_chat_value(&parse_body(json)?)?;
-                self.tokenize_value(true, &chat)
+                self.tokenize_value(true, &chat, json.len())
             }
             Some(PromptApi::Responses) => {
                 let chat = self.responses_to_chat_value(&parse_body(json)?)?;
-                self.tokenize_value(true, &chat)
+                self.tokenize_value(true, &chat, json.len())
             }
         }
     }
@@ -315,22 +315,26 @@ impl ModelTokenizer {
         match api {
             PromptApi::Completions => self.tokenize_request(false, body),
             PromptApi::Chat => self.tokenize_request(true, body),
-            PromptApi::Messages => self.tokenize_value(true, &self.messages_to_chat(body)?),
+            PromptApi::Messages => self.tokenize_value(true, &self.messages_to_chat(body)?, 0),
             PromptApi::Responses => self.tokenize_value(
                 true,
                 &self.responses_to_chat_value(&minijinja::Value::from_serialize(body))?,
+                0,
             ),
         }
     }
 
+    /// `size_hint`: the body's JSON length when known (0 otherwise), which bounds the
+    /// rendered text closely enough to allocate it once.
     fn tokenize_value(
         &self,
         chat: bool,
         body: &minijinja::Value,
+        size_hint: usize,
     ) -> Result<Vec<u32>, TokenizeError> {
         use minijinja::value::ValueKind;
         if chat {
-            let text = self.render_chat_value(body)?;
+            let text = self.render_chat_value(body, size_hint)?;
             let special = body
                 .get_attr("add_special_tokens")
                 .ok()

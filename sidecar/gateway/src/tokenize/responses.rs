@@ -384,7 +384,7 @@ mod tests {
             for b in [body.clone(), json!({"input": input, "tools": body})] {
                 if let Ok(chat) = t.responses_to_chat(&b) {
                     prop_assert_eq!(chat.get_attr("messages").map(|m| m.kind()).ok(), Some(ValueKind::Seq));
-                    let _ = t.tokenize_value(true, &chat);
+                    let _ = t.tokenize_value(true, &chat, 0);
                 }
             }
         }

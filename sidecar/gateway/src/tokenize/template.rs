@@ -461,7 +461,7 @@ pub fn render_source(source: &str, ctx: &str, now: Option<i64>) -> Result<String
     let ctx: Value = serde_json::from_str(ctx)
         .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("context: {e}")))?;
     let clock = now.and_then(|t| chrono::Local.timestamp_opt(t, 0).single());
-    render(&environment_at(source.to_owned(), clock)?, ctx)
+    render(&environment_at(source.to_owned(), clock)?, ctx, 0)
 }
 
 /// The chat template rendered over `ctx`, a panic inside the template engine turned into
@@ -469,10 +469,13 @@ pub fn render_source(source: &str, ctx: &str, now: Option<i64>) -> Result<String
 /// before (its own slice indexed out of bounds on a reversed slice of nothing, which
 /// `pyops` now does itself). Such a request is refused (counted, kept on the text chain)
 /// and nothing else is touched: rendering holds no lock and shares no state.
-pub fn render(t: &ChatTemplate, ctx: Value) -> Result<String, Error> {
+/// `size_hint` is what the text is expected to take (the request body's length): a
+/// coding agent's conversation is hundreds of KB, which growing by doubling would copy
+/// about twice over.
+pub fn render(t: &ChatTemplate, ctx: Value, size_hint: usize) -> Result<String, Error> {
     let run = || {
         t.program.with_dependent(|_, c| {
-            let mut out = String::with_capacity(c.buffer_size_hint);
+            let mut out = String::with_capacity(c.buffer_size_hint.max(size_hint));
             Vm::new(&t.env).eval(
                 &c.instructions,
                 ctx,
@@ -873,7 +876,7 @@ mod tests {
 
     fn render(src: &str, ctx: serde_json::Value) -> String {
         let t = environment(src.to_string()).expect("template");
-        super::render(&t, Value::from_serialize(ctx)).expect("render")
+        super::render(&t, Value::from_serialize(ctx), 0).expect("render")
     }
 
     /// Each template renders `want` over the JSON object `ctx`.
@@ -1079,6 +1082,7 @@ mod tests {
             super::render(
                 &environment(src.to_string()).expect("template"),
                 Value::from_serialize(ctx.clone()),
+                0,
             )
         };
         // Always true, even when nothing would come out.
@@ -1221,7 +1225,7 @@ mod tests {
     fn raise_exception_fails_the_render() {
         let t = environment("{{ raise_exception('no system role') }}".into()).expect("t");
         let e =
-            super::render(&t, Value::from_serialize(serde_json::json!({}))).expect_err("raises");
+            super::render(&t, Value::from_serialize(serde_json::json!({})), 0).expect_err("raises");
         assert!(e.to_string().contains("no system role"), "{e}");
     }
 }
