@@ -65,12 +65,12 @@ fn defaults_round_trip_and_validate() {
         serde_json::from_str(&serde_json::to_string(&c).expect("ser")).expect("de");
     assert_eq!(back, c);
     let errs = serde_json::from_str::<PolicyConfig>(
-        r#"{"prefill_weight":-1,"stale_factor":0,"default_model":{"block_size":0}}"#,
+        r#"{"prefill_weight":-1,"stale_factor":0,"default_model":{"block_size":0},"saturation_waiting_over":-1}"#,
     )
     .expect("shape ok")
     .validate()
     .expect_err("invalid");
-    assert_eq!(errs.len(), 3, "{errs:?}");
+    assert_eq!(errs.len(), 4, "{errs:?}");
 }
 
 #[test]

@@ -103,6 +103,13 @@ pub struct PolicyConfig {
     /// pods' queues drift apart (agentic sessions on 4 pods of 2,048 blocks, seeds 1-16:
     /// mean TTFT 130 s uncapped, 100 s at 12).
     pub saturation_max_prompts: f64,
+    /// Opt-in (off by default): requests the engines report waiting for a batch slot,
+    /// past this many per pod on average, count toward the saturation backlog as prompts
+    /// of the request's size. Engines that hold requests behind full batches of long
+    /// decodes are behind in a way their queued prefill does not show. For fleets without
+    /// the admission queue: it keeps more prompts on their caches while the engines'
+    /// lines are long (docs/policy.md, "The engines' waiting lines").
+    pub saturation_waiting_over: Option<f64>,
     /// How much more an uncached block weighs on a pod whose cache is evicting what
     /// it was sent: `1 + eviction_weight × pressure`, the pressure being the recent
     /// share of the pod's predicted hits its engine no longer held. There a prefill
@@ -389,6 +396,7 @@ impl Default for PolicyConfig {
             saturation_backlog_s: 2.0,
             saturation_weight: 8.0,
             saturation_max_prompts: 12.0,
+            saturation_waiting_over: None,
             eviction_weight: 0.0,
             recompute_weight: 0.5,
             eviction_load_cut: 50.0,
@@ -436,6 +444,9 @@ impl PolicyConfig {
         finite_nonneg("saturation_backlog_s", self.saturation_backlog_s);
         finite_nonneg("saturation_weight", self.saturation_weight);
         finite_nonneg("saturation_max_prompts", self.saturation_max_prompts);
+        if let Some(v) = self.saturation_waiting_over {
+            finite_nonneg("saturation_waiting_over", v);
+        }
         finite_nonneg("eviction_weight", self.eviction_weight);
         finite_nonneg("recompute_weight", self.recompute_weight);
         finite_nonneg("eviction_load_cut", self.eviction_load_cut);

@@ -325,6 +325,20 @@ fn mean_backlog(cands: &[Candidate]) -> f64 {
     tokens / cands.len().max(1) as f64
 }
 
+/// The engines' waiting lines as prefill backlog, in tokens, when
+/// `saturation_waiting_over` is set: the candidates' mean count of requests waiting for a
+/// batch slot past that many, each taken as a prompt of this request's size.
+fn waiting_backlog(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> f64 {
+    let Some(over) = cfg.saturation_waiting_over else {
+        return 0.0;
+    };
+    if cands.is_empty() {
+        return 0.0;
+    }
+    let waiting = cands.iter().map(|c| c.load.queued as f64).sum::<f64>() / cands.len() as f64;
+    (waiting - over).max(0.0) * ask.prompt_blocks.max(1) as f64 * ask.block_size.max(1) as f64
+}
+
 /// How far behind the whole fleet is, as the extra weight of an uncached block: 0 while
 /// the candidates have less than `saturation_backlog_s` of prefill queued on average;
 /// past it, the mean backlog above that threshold in prompts of this request's size (at
@@ -422,7 +436,7 @@ pub fn pick(cfg: &PolicyConfig, ask: &Ask, cands: &[Candidate]) -> Option<Rankin
     // would keep them, and their later turns, for good).
     let deepest = cands.iter().map(|c| hits(cfg, c)).fold(0.0, f64::max);
     let backlog = mean_backlog(cands);
-    let saturated = saturation(cfg, ask, backlog);
+    let saturated = saturation(cfg, ask, backlog + waiting_backlog(cfg, ask, cands));
     // Never while one pod may keep all of them under the per-prefix bound: with a few pods
     // a handful of requests for one prompt (reports not yet in) is not a hot prefix. Nor
     // while the fleet is saturated: each pod the prefix spreads to must prefill it, work a
@@ -677,6 +691,50 @@ mod tests {
         };
         assert_eq!(saturation(&off, &ask(200), mean_backlog(&c)), 0.0);
         assert_eq!(pick(&off, &ask(200), &c).expect("pick").chosen(), 1);
+    }
+
+    /// Engines holding requests behind full batches are behind though little prefill is
+    /// queued: with `saturation_waiting_over` set, their waiting lines count toward the
+    /// backlog and a prompt keeps its cache; unset (the default), the idle pod wins.
+    #[test]
+    fn waiting_lines_count_as_backlog_when_asked() {
+        let cfg = PolicyConfig::default();
+        let tps = cfg.prefill_tokens_per_s as u64;
+        // Pod 0 holds 196 of 200 blocks with 1.5 s of prefill queued; pod 1 none. Each
+        // engine reports 6 requests waiting for a batch slot.
+        let mut c = [cand(0, 196, 8, 3 * tps / 2), cand(1, 0, 8, 0)];
+        for x in &mut c {
+            x.load.queued = 6;
+        }
+        let backlog = mean_backlog(&c);
+        assert_eq!(
+            saturation(
+                &cfg,
+                &ask(200),
+                backlog + waiting_backlog(&cfg, &ask(200), &c)
+            ),
+            0.0
+        );
+        assert_eq!(pick(&cfg, &ask(200), &c).expect("pick").chosen(), 1);
+        let on = PolicyConfig {
+            saturation_waiting_over: Some(1.0),
+            ..PolicyConfig::default()
+        };
+        // Five prompts of 200 blocks waiting per pod past the first: saturated.
+        assert_eq!(waiting_backlog(&on, &ask(200), &c), 5.0 * 200.0 * 16.0);
+        assert!(
+            saturation(
+                &on,
+                &ask(200),
+                backlog + waiting_backlog(&on, &ask(200), &c)
+            ) > 0.0
+        );
+        assert_eq!(pick(&on, &ask(200), &c).expect("pick").chosen(), 0);
+        // Lines no longer than the setting: no backlog from them.
+        for x in &mut c {
+            x.load.queued = 1;
+        }
+        assert_eq!(waiting_backlog(&on, &ask(200), &c), 0.0);
     }
 
     /// Far behind, the extra weight stops growing at `saturation_max_prompts` prompts of
