@@ -199,6 +199,10 @@ pub struct SimResult {
     pub queued: u64,
     pub queue_peak_bytes: usize,
     pub classes: Vec<ClassFigures>,
+    /// Prompt blocks a pod held when their request was routed and that it computed
+    /// again, as a share of all prompt blocks served: the cache locality routing gave up
+    /// (a prefix no pod holds is a miss wherever it goes, and counts nothing here).
+    pub locality_lost: f64,
 }
 
 /// See [`SimResult::missed`].
@@ -234,7 +238,7 @@ impl SimResult {
                "e2e_p99_ms": r(self.e2e_p99_ms), "throughput_rps": r(self.throughput_rps), "max_mean_load": r(self.max_mean_load),
                "mispredictions": self.mispredictions, "session_moves": r(self.session_moves),
                "missed": {"first": r(self.missed.first), "stayed": r(self.missed.stayed), "moved": r(self.missed.moved)},
-               "queued": self.queued, "shed": self.shed});
+               "locality_lost": r(self.locality_lost), "queued": self.queued, "shed": self.shed});
         // Per (priority, tenant) class, with admission only.
         if !self.classes.is_empty() {
             v["classes"] = self
@@ -330,6 +334,8 @@ struct Sim<'a> {
     gw_of: Vec<usize>,
     decision: Vec<String>,
     hit: Vec<u64>,
+    /// The longest prefix of request i's chain any pod cached when it was routed.
+    held_anywhere: Vec<u64>,
     ttft: Vec<f64>,
     done: Vec<f64>,
     shed: Vec<bool>,
@@ -479,6 +485,13 @@ impl Sim<'_> {
 
     /// Send request `i` to pod `k`.
     fn dispatch(&mut self, i: usize, k: usize, now: f64) {
+        let chain = &self.reqs[i].chain;
+        self.held_anywhere[i] = self
+            .pods
+            .iter()
+            .map(|p| p.cache.prefix_hits(chain) as u64)
+            .max()
+            .unwrap_or(0);
         self.pod_of[i] = k;
         self.pods[k].assigned += 1;
         self.pods[k].waiting.push_back(i);
@@ -813,6 +826,7 @@ pub fn simulate_labelled(reqs: &[Request], o: &SimOpts, p: Policy, workload: &st
         gw_of: vec![0; n],
         decision: vec![String::new(); n],
         hit: vec![0; n],
+        held_anywhere: vec![0; n],
         ttft: vec![0.0; n],
         done: vec![0.0; n],
         shed: vec![false; n],
@@ -875,6 +889,11 @@ pub fn simulate_labelled(reqs: &[Request], o: &SimOpts, p: Policy, workload: &st
         queued: s.from_queue.iter().filter(|&&x| x).count() as u64,
         queue_peak_bytes: s.queue_peak_bytes,
         classes,
+        locality_lost: share(
+            ran.iter()
+                .map(|&i| s.held_anywhere[i].saturating_sub(s.hit[i]))
+                .sum(),
+        ),
     }
 }
 
