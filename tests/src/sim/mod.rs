@@ -123,10 +123,11 @@ impl SimAdmission {
         (p, t)
     }
 
-    /// The headroom a request of `priority` may use (the service's rule).
-    fn headroom_for(&self, priority: i32) -> Headroom {
+    /// The headroom a request of `priority` may use, its tenant passed over or not
+    /// (the service's rule).
+    fn headroom_for(&self, priority: i32, passed_over: bool) -> Headroom {
         let top = waiting::top_priority(&self.config);
-        waiting::headroom(&self.config).for_band(priority >= top)
+        waiting::headroom(&self.config).for_request(priority >= top, passed_over)
     }
 
     fn limits(&self) -> Limits {
@@ -466,7 +467,7 @@ impl Sim<'_> {
             .o
             .admission
             .as_ref()
-            .map(|a| a.headroom_for(a.class(i).0).passed_over(passed_over));
+            .map(|a| a.headroom_for(a.class(i).0, passed_over));
         let routed = match &gate {
             Some(h) => sidecar::route_gated_with(&gw.sc, &req, now, gw.selector.as_mut(), h),
             None => sidecar::route_with(&gw.sc, &req, now, gw.selector.as_mut()),

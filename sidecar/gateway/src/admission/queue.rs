@@ -42,7 +42,9 @@ const TURNS_DECAY: f64 = 0.97;
 /// of them with two tenants waiting) is behind after one pass instead of
 /// [`PASSED_TO_RELAX`]. At 10:1 (seeds 1-6, one gateway) two passes always left the
 /// light tenant 39-45% of the contested turns, one pass always 49-55% at hit 0.799-0.819;
-/// one pass while short of its share, 45-47% at 0.799-0.822 (queue-less: 0.756-0.786).
+/// one pass while short of its share, 45-47% at 0.799-0.822 (queue-less: 0.756-0.786);
+/// with the reserved slots open to it too ([`super::Headroom::for_request`]), 44-47% at
+/// 0.849-0.858.
 pub const SHARE_FLOOR: f64 = 0.9;
 /// Contested turns counted before a share is judged at all.
 const TURNS_TO_JUDGE: f64 = 4.0;

@@ -265,7 +265,7 @@ impl Waiting {
             .is_some_and(|r| super::must_wait(&r.lock(), priority));
         // A newcomer does not overtake requests of its band or above already waiting.
         if !waiting_above {
-            match route::route_gated(sc, &req, deadline, &headroom(a).for_band(top)) {
+            match route::route_gated(sc, &req, deadline, &headroom(a).for_request(top, false)) {
                 Err(RouteError::Saturated) => {}
                 Ok(r) => {
                     sc.metrics.admission.inc("routed", 1);
@@ -456,7 +456,7 @@ impl Waiting {
                     if e.item.claim.as_ref().is_none_or(|c| c.is_closed()) {
                         return Step::Wait;
                     }
-                    let gate = h.for_band(e.priority >= top).passed_over(passed_over);
+                    let gate = h.for_request(e.priority >= top, passed_over);
                     match route::route_gated(sc, &e.item.req, None, &gate) {
                         Err(RouteError::Saturated) => Step::Wait,
                         Ok(r) => Step::Leave(Verdict::Routed(r)),
