@@ -694,11 +694,12 @@ mod tests {
     }
 
     /// Engines holding requests behind full batches are behind though little prefill is
-    /// queued: with `saturation_waiting_over` set, their waiting lines count toward the
-    /// backlog and a prompt keeps its cache; unset (the default), the idle pod wins.
+    /// queued: with `saturation_waiting_over` set (the default, 0), their waiting lines
+    /// count toward the backlog and a prompt keeps its cache; unset, the idle pod wins.
     #[test]
-    fn waiting_lines_count_as_backlog_when_asked() {
+    fn waiting_lines_count_as_backlog() {
         let cfg = PolicyConfig::default();
+        assert_eq!(cfg.saturation_waiting_over, Some(0.0));
         let tps = cfg.prefill_tokens_per_s as u64;
         // Pod 0 holds 196 of 200 blocks with 1.5 s of prefill queued; pod 1 none. Each
         // engine reports 6 requests waiting for a batch slot.
@@ -707,34 +708,42 @@ mod tests {
             x.load.queued = 6;
         }
         let backlog = mean_backlog(&c);
+        let off = PolicyConfig {
+            saturation_waiting_over: None,
+            ..PolicyConfig::default()
+        };
         assert_eq!(
+            saturation(
+                &off,
+                &ask(200),
+                backlog + waiting_backlog(&off, &ask(200), &c)
+            ),
+            0.0
+        );
+        assert_eq!(pick(&off, &ask(200), &c).expect("pick").chosen(), 1);
+        // Six prompts of 200 blocks waiting per pod: saturated.
+        assert_eq!(waiting_backlog(&cfg, &ask(200), &c), 6.0 * 200.0 * 16.0);
+        assert!(
             saturation(
                 &cfg,
                 &ask(200),
                 backlog + waiting_backlog(&cfg, &ask(200), &c)
-            ),
-            0.0
+            ) > 0.0
         );
-        assert_eq!(pick(&cfg, &ask(200), &c).expect("pick").chosen(), 1);
-        let on = PolicyConfig {
+        assert_eq!(pick(&cfg, &ask(200), &c).expect("pick").chosen(), 0);
+        // Lines no longer than the setting: no backlog from them.
+        let over_one = PolicyConfig {
             saturation_waiting_over: Some(1.0),
             ..PolicyConfig::default()
         };
-        // Five prompts of 200 blocks waiting per pod past the first: saturated.
-        assert_eq!(waiting_backlog(&on, &ask(200), &c), 5.0 * 200.0 * 16.0);
-        assert!(
-            saturation(
-                &on,
-                &ask(200),
-                backlog + waiting_backlog(&on, &ask(200), &c)
-            ) > 0.0
+        assert_eq!(
+            waiting_backlog(&over_one, &ask(200), &c),
+            5.0 * 200.0 * 16.0
         );
-        assert_eq!(pick(&on, &ask(200), &c).expect("pick").chosen(), 0);
-        // Lines no longer than the setting: no backlog from them.
         for x in &mut c {
             x.load.queued = 1;
         }
-        assert_eq!(waiting_backlog(&on, &ask(200), &c), 0.0);
+        assert_eq!(waiting_backlog(&over_one, &ask(200), &c), 0.0);
     }
 
     /// Far behind, the extra weight stops growing at `saturation_max_prompts` prompts of

@@ -204,6 +204,25 @@ pub struct SimResult {
     /// again, as a share of all prompt blocks served: the cache locality routing gave up
     /// (a prefix no pod holds is a miss wherever it goes, and counts nothing here).
     pub locality_lost: f64,
+    /// Prompt blocks each request found cached, by its place in the workload (`None`:
+    /// shed). Two runs' hit rates compare only over the requests both served: the
+    /// admission queue sheds mostly requests that wait for their prefix's pod.
+    pub request_hits: Vec<Option<u64>>,
+}
+
+impl SimResult {
+    /// The hit rate over the requests `i` for which `served(i)` holds and this run
+    /// served: prompt blocks found cached over their prompt blocks.
+    pub fn hit_rate_over(&self, reqs: &[Request], served: impl Fn(usize) -> bool) -> f64 {
+        let (mut hit, mut blocks) = (0u64, 0u64);
+        for (i, (h, r)) in self.request_hits.iter().zip(reqs).enumerate() {
+            if let (Some(h), true) = (h, served(i)) {
+                hit += h;
+                blocks += r.chain.len() as u64;
+            }
+        }
+        hit as f64 / blocks.max(1) as f64
+    }
 }
 
 /// See [`SimResult::missed`].
@@ -895,6 +914,7 @@ pub fn simulate_labelled(reqs: &[Request], o: &SimOpts, p: Policy, workload: &st
                 .map(|&i| s.held_anywhere[i].saturating_sub(s.hit[i]))
                 .sum(),
         ),
+        request_hits: (0..n).map(|i| (!s.shed[i]).then_some(s.hit[i])).collect(),
     }
 }
 
