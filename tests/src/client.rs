@@ -176,6 +176,20 @@ impl Api {
         resp.text().await.unwrap_or_default()
     }
 
+    /// Poll a metric until it reaches `want` (at most 5 s): counters the sidecar bumps
+    /// as a task ends can lag what the test already saw. Returns the last value read.
+    pub async fn metric_reaching(&self, name: &str, want: f64) -> f64 {
+        let mut v = 0.0;
+        for _ in 0..100 {
+            v = self.metric(name).await;
+            if v >= want {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        v
+    }
+
     pub async fn metric(&self, name: &str) -> f64 {
         let text = self.metrics_text().await;
         text.lines()

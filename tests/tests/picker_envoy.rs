@@ -519,19 +519,9 @@ async fn data_parallel_ranks_are_pods_and_the_engine_is_told_which() {
         }
     }
     // The reports released the rank's decisions (the served address is the rank's).
-    let released = {
-        let mut v = 0.0;
-        for _ in 0..100 {
-            v = api
-                .metric("kvroute_report_decisions_total{outcome=\"released\"}")
-                .await;
-            if v >= 6.0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        v
-    };
+    let released = api
+        .metric_reaching("kvroute_report_decisions_total{outcome=\"released\"}", 6.0)
+        .await;
     assert_eq!(released, 6.0);
     let pods = api.get("/v1/status").await.json;
     assert!(

@@ -404,3 +404,133 @@ async fn memory_stays_within_its_stated_bound() {
     );
     eprintln!("RSS {rss0} -> {rss} KiB; {mem}");
 }
+
+/// Anyone who reaches the TCP API could open connections without end, each an open file
+/// and a task, and hold them: idle, or dribbling a request head. The sidecar then runs
+/// out of file descriptors and can no longer accept the filter's socket, reach NATS or
+/// open a file. The API takes at most `--max-connections` at once (more wait in the
+/// kernel's queue), closes one that has not sent a whole request head within
+/// `--header-timeout-ms` of being accepted or of its last answer, and answers 400 to a
+/// request whose body has not arrived within `--body-timeout-ms` of its head, so held
+/// connections cost a bounded number of files and cannot keep a real request out for
+/// long.
+#[tokio::test]
+async fn connections_to_the_api_are_bounded_and_idle_ones_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let sc = SidecarProc::start(
+        &[
+            "--max-connections",
+            "16",
+            "--header-timeout-ms",
+            "400",
+            "--body-timeout-ms",
+            "800",
+        ],
+        false,
+    )
+    .expect("sidecar");
+    let fds = || {
+        std::fs::read_dir(format!("/proc/{}/fd", sc.pid()))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    };
+    let before = fds();
+    // 150 connections: every other one sends half a request head and stops.
+    let mut held = Vec::new();
+    for i in 0..150 {
+        let mut s = tokio::net::TcpStream::connect(sc.addr)
+            .await
+            .expect("connect");
+        if i % 2 == 1 {
+            s.write_all(b"GET /healthz HTTP/1.1\r\nHost: 12")
+                .await
+                .expect("write");
+        }
+        held.push(s);
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let during = fds();
+    assert!(
+        during <= before + 16 + 2,
+        "{during} files open with 150 connections held (before: {before})"
+    );
+    // A real request gets in as the held ones are closed, 16 at a time.
+    let t = std::time::Instant::now();
+    let r = http()
+        .get(sc.url("/healthz"))
+        .send()
+        .await
+        .expect("healthz");
+    assert_eq!(r.status(), 200);
+    assert!(t.elapsed() < Duration::from_secs(8), "{:?}", t.elapsed());
+    // Every held connection is closed by the sidecar (end of stream, or reset).
+    for mut s in held {
+        let mut buf = [0u8; 256];
+        let read = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf)).await;
+        assert!(
+            matches!(read, Ok(Ok(0)) | Ok(Err(_))),
+            "a held connection was not closed: {read:?}"
+        );
+    }
+    let api = Api::new(sc.addr);
+    // Each is counted as its task ends, which may be just after the peer saw it close.
+    let timed_out = api
+        .metric_reaching(
+            "kvroute_api_connections_total{outcome=\"header_timeout\"}",
+            150.0,
+        )
+        .await;
+    assert!(timed_out >= 150.0, "{timed_out} counted header_timeout");
+    assert!(
+        api.metric("kvroute_api_connections_total{outcome=\"waited\"}")
+            .await
+            >= 1.0
+    );
+    // A whole head and then a body a byte at a time holds its slot no longer than the
+    // body's deadline: answered 400 and closed.
+    let mut slow = tokio::net::TcpStream::connect(sc.addr)
+        .await
+        .expect("connect");
+    let head = format!(
+        "POST /v1/events HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n",
+        sc.addr
+    );
+    slow.write_all(head.as_bytes()).await.expect("write");
+    let t = std::time::Instant::now();
+    let mut answer = Vec::new();
+    while t.elapsed() < Duration::from_secs(10) {
+        if slow.write_all(b" ").await.is_err() {
+            break;
+        }
+        let mut buf = [0u8; 512];
+        match tokio::time::timeout(Duration::from_millis(100), slow.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => break,
+            Ok(Ok(n)) => answer.extend_from_slice(&buf[..n]),
+            Err(_) => {}
+        }
+    }
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    assert!(
+        String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 400"),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    assert_eq!(
+        api.metric("kvroute_api_connections_total{outcome=\"body_timeout\"}")
+            .await,
+        1.0
+    );
+    assert_eq!(
+        api.metric("kvroute_api_connections_total{outcome=\"error\"}")
+            .await,
+        0.0,
+        "a connection cut off by its deadline is counted once"
+    );
+    // A connection that keeps asking is not cut off between its requests.
+    let c = http();
+    for _ in 0..3 {
+        let r = c.get(sc.url("/healthz")).send().await.expect("healthz");
+        assert_eq!(r.status(), 200);
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+}

@@ -210,14 +210,10 @@ async fn predicted_mode_keeps_conversations_together_and_learns_from_reports() {
         )
         .await;
     }
-    let mut seen = 0.0;
-    for _ in 0..100 {
-        seen = stack.api.metric("kvroute_mispredictions_total").await;
-        if seen >= 1.0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let seen = stack
+        .api
+        .metric_reaching("kvroute_mispredictions_total", 1.0)
+        .await;
     assert!(seen >= 1.0, "reports flagged the mispredictions");
     let pods = stack.api.get("/v1/pods").await.json;
     let caps: Vec<f64> = pods["pods"]

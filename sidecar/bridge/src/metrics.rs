@@ -29,6 +29,8 @@ pub(crate) struct Counters {
     /// Translator statistics, brought up to its totals when scraped.
     pub(crate) translated: [Counter; 6],
     pub(crate) skipped: Family<Vec<(&'static str, String)>, Counter>,
+    /// Connections to the HTTP listener, by outcome (`http_server::ConnEvent`).
+    pub(crate) connections: Family<Vec<(&'static str, String)>, Counter>,
     pub(crate) known_blocks: Gauge,
     /// One scrape at a time brings the counters up to the totals.
     pub(crate) scrape: Mutex<()>,
@@ -52,6 +54,7 @@ impl Default for Counters {
             dumps_refused: Counter::default(),
             translated: Default::default(),
             skipped: Family::default(),
+            connections: Family::default(),
             known_blocks: Gauge::default(),
             scrape: Mutex::new(()),
         };
@@ -117,6 +120,11 @@ impl Default for Counters {
             "kvroute_bridge_blocks_skipped",
             "Blocks not translated, by reason.",
             c.skipped.clone(),
+        );
+        registry.register(
+            "kvroute_bridge_connections",
+            "Connections to the HTTP listener: accepted at once, accepted after waiting for a slot, closed for sending no request head in time, requests whose body was not whole in time, closed on an error.",
+            c.connections.clone(),
         );
         registry.register(
             "kvroute_bridge_known_blocks",

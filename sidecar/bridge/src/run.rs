@@ -25,6 +25,7 @@ use axum::routing::get;
 use axum::{Json, Router};
 use bytes::Bytes;
 use futures::StreamExt;
+use kvroute_service::http_server::{self, ConnEvent, ConnLimits};
 use kvroute_service::{NatsAuth, Shutdown};
 use parking_lot::Mutex;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
@@ -216,6 +217,7 @@ pub async fn run(
     }
     producers.spawn(receive(br.clone(), a.clone(), tx, stop.clone()));
     let publisher = tokio::spawn(publish(br.clone(), sink, rx, stop.clone()));
+    let counted = br.n.connections.clone();
     let app = Router::new()
         .route("/dump", get(dump))
         .route("/metrics", get(metrics))
@@ -225,17 +227,24 @@ pub async fn run(
         zmq = %a.zmq, pod = %a.pod, model = %a.model, listen = %listener.local_addr()?,
         "bridge running"
     );
-    let mut http_stop = stop.clone();
-    let server = tokio::spawn(async move {
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .with_graceful_shutdown(async move {
-            http_stop.wait().await;
-        })
-        .await
-    });
+    // Its clients are a few sidecars fetching dumps and a metrics scraper.
+    let limits = ConnLimits {
+        max_connections: 64,
+        header_timeout: Duration::from_secs(30),
+        body_timeout: Duration::from_secs(60),
+    };
+    let count = move |e: ConnEvent| {
+        counted
+            .get_or_create(&vec![("outcome", e.label().to_string())])
+            .inc();
+    };
+    let server = tokio::spawn(http_server::serve(
+        listener,
+        app,
+        limits,
+        count,
+        stop.clone(),
+    ));
     shutdown.await;
     tracing::info!("bridge: shutting down");
     stop_tx.stop();

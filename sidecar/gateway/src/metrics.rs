@@ -139,6 +139,8 @@ pub struct Metrics {
     /// API requests refused before any handler ran, by reason ("unauthorized",
     /// "foreign_origin", "foreign_host", "content_type").
     pub api_refused: Labeled,
+    /// Connections to the TCP listeners, by what became of them (`http_server::ConnEvent`).
+    pub api_connections: Labeled,
     /// Requests seen by the endpoint picker, by outcome ("routed", or why not:
     /// `picker::Outcome`, and "stream_error" for a stream that broke).
     pub picker: Labeled,
@@ -202,6 +204,7 @@ impl Default for Metrics {
             cache_agreement: Family::default(),
             precise: Labeled::new("outcome"),
             api_refused: Labeled::new("reason"),
+            api_connections: Labeled::new("outcome"),
             picker: Labeled::new("outcome"),
             admission: Labeled::new("outcome"),
             admission_wait_seconds: Histogram::new(WAIT_BOUNDS),
@@ -284,6 +287,11 @@ impl Default for Metrics {
                 "kvroute_api_refused",
                 "API requests refused before reaching a handler (token, origin, host, content type).",
                 &m.api_refused,
+            ),
+            (
+                "kvroute_api_connections",
+                "Connections to the TCP listeners: accepted at once, accepted after waiting for a slot (--max-connections), closed for sending no request head in time (--header-timeout-ms), requests whose body was not whole in time (--body-timeout-ms), closed on an error.",
+                &m.api_connections,
             ),
             (
                 "kvroute_picker_requests",

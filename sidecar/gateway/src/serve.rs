@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Args;
+use kvroute_service::http_server::{self, ConnEvent, ConnLimits};
 use kvroute_service::{DropGuard, Shutdown};
 use kvroute_shared::protocol::{PodRegistration, PolicyConfig};
 
@@ -22,6 +23,19 @@ pub struct ServeArgs {
     /// Admin + API listener (TCP). Loopback by default: expose it deliberately.
     #[arg(long, env = "KVROUTE_LISTEN", default_value = "127.0.0.1:9090")]
     pub listen: SocketAddr,
+    /// Connections each TCP listener serves at once; more wait in the kernel's queue
+    /// until one closes (`kvroute_api_connections_total{outcome="waited"}`). The Unix
+    /// socket, which only Envoy can reach, is not bounded here.
+    #[arg(long, env = "KVROUTE_MAX_CONNECTIONS", default_value_t = 512)]
+    pub max_connections: usize,
+    /// A TCP connection that sends no whole request head for this long after it is
+    /// accepted or answered (idle, or dribbling its head) is closed.
+    #[arg(long, env = "KVROUTE_HEADER_TIMEOUT_MS", default_value_t = 30_000)]
+    pub header_timeout_ms: u64,
+    /// A request on a TCP listener whose body has not arrived whole this long after its
+    /// head is answered 400 and its connection closed.
+    #[arg(long, env = "KVROUTE_BODY_TIMEOUT_MS", default_value_t = 60_000)]
+    pub body_timeout_ms: u64,
     /// A listener serving only `/healthz` and `/readyz` (for kubelet probes on the pod's
     /// address while --listen stays on loopback).
     #[arg(long, env = "KVROUTE_HEALTH_LISTEN")]
@@ -288,9 +302,11 @@ async fn listeners(a: &ServeArgs, api: Api, guard: &DropGuard) -> anyhow::Result
         .await
         .with_context(|| format!("binding {}", a.listen))?;
     let bound = listener.local_addr()?;
-    let listener = axum::serve::ListenerExt::tap_io(listener, |s| {
-        let _ = s.set_nodelay(true);
-    });
+    let limits = ConnLimits {
+        max_connections: a.max_connections,
+        header_timeout: std::time::Duration::from_millis(a.header_timeout_ms.max(1)),
+        body_timeout: std::time::Duration::from_millis(a.body_timeout_ms.max(1)),
+    };
     let mut servers = Servers::new();
     // Only the TCP listener checks the admin token: probes change nothing, and the Unix
     // socket is authorized by its file permissions.
@@ -299,13 +315,27 @@ async fn listeners(a: &ServeArgs, api: Api, guard: &DropGuard) -> anyhow::Result
         browser: None,
         ..api.clone()
     };
-    spawn_server(&mut servers, listener, http::router(api), guard.subscribe());
+    let counted = api.sc.metrics.api_connections.clone();
+    let count = move |e: ConnEvent| counted.inc(e.label(), 1);
+    servers.spawn(http_server::serve(
+        listener,
+        http::router(api),
+        limits,
+        count.clone(),
+        guard.subscribe(),
+    ));
     if let Some(addr) = a.health_listen {
         let health = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("binding {addr}"))?;
         let app = http::health_router(local.clone());
-        spawn_server(&mut servers, health, app, guard.subscribe());
+        servers.spawn(http_server::serve(
+            health,
+            app,
+            limits,
+            count,
+            guard.subscribe(),
+        ));
     }
     if let Some(path) = &a.uds {
         let uds = bind_uds(path, &a.uds_mode)?;

@@ -7,9 +7,12 @@
 //! - [`nats_auth`]: the NATS credentials and TLS flags every kvroute NATS client takes;
 //! - [`Shutdown`] and [`DropGuard`]: how a service tells its background tasks to stop
 //!   (passed into each task, so every task can be awaited after the signal);
-//! - [`wait_for_signal`] and [`service_runtime`]: how both binaries start and stop.
+//! - [`wait_for_signal`] and [`service_runtime`]: how both binaries start and stop;
+//! - [`http_server`]: how both serve an HTTP API on a network socket (bounded
+//!   connections, deadlines for each request head and body).
 
 mod bearer;
+pub mod http_server;
 pub mod nats_auth;
 
 pub use bearer::bearer_matches;
