@@ -13,7 +13,7 @@
 //! would have to rebuild it, and vLLM answers 404 for a response it does not hold.
 //!
 //! Keys are hashed with the model (xxh3 of `model ++ 0 ++ key`), so an entry is a fixed
-//! 40-odd bytes whatever the client sent; each table is bounded in count (oldest bound
+//! 60-odd bytes whatever the client sent; each table is bounded in count (oldest bound
 //! first out) and by a TTL since the last use. Other replicas learn bindings from the
 //! load deltas the decisions already broadcast (`LoadDelta::session`, `::response`).
 
@@ -29,6 +29,11 @@ use parking_lot::Mutex;
 pub struct Bound {
     pub pod: Arc<str>,
     pub tokens: u64,
+    /// A block near the end of the bound turn's token chain, by its place (blocks up to
+    /// and including it) and hash (a session bound on this replica, routed by tokens):
+    /// a next turn whose chain has that block at that place continues the same prompt,
+    /// and what the pod holds of it says what the pod evicted (the sidecar's `returns`).
+    pub tip: Option<(u32, u64)>,
 }
 
 #[derive(Debug)]
@@ -207,6 +212,7 @@ mod tests {
         Bound {
             pod: Arc::from(pod),
             tokens,
+            tip: None,
         }
     }
 

@@ -38,6 +38,7 @@ pub mod policy;
 mod predicted;
 mod recent;
 mod registry;
+mod returns;
 mod route;
 mod serve;
 mod state;

@@ -121,7 +121,7 @@ pub struct Metrics {
     /// "none" when the report carries no decision id).
     pub report_decisions: Labeled,
     /// Load deltas between replicas: "queued", "published", "dropped_full",
-    /// "publish_failed", "applied", "ignored".
+    /// "publish_failed", "applied", "ignored", "own" (this replica's, heard back).
     pub replica_deltas: Labeled,
     /// Admission queue states between replicas: "published", "publish_failed",
     /// "applied", "no_room" (this replica queues nothing for the model), "malformed",

@@ -48,6 +48,8 @@ pub const OUTBOX_CAPACITY: usize = 4096;
 pub struct Sidecar {
     pub(crate) indexes: Indexes,
     pub(crate) predicted: Predicted,
+    /// Eviction pressure on token chains, from sessions' returning turns.
+    pub(crate) returns: crate::returns::Returns,
     registry: Registry,
     config: RwLock<Arc<PolicyConfig>>,
     ledger: Ledger,
@@ -118,6 +120,7 @@ impl Sidecar {
         let sc = Sidecar {
             indexes: Indexes::default(),
             predicted: Predicted::default(),
+            returns: Default::default(),
             registry: Registry::default(),
             config: RwLock::new(Arc::new(cfg)),
             ledger: Ledger::new(replica),
@@ -280,6 +283,7 @@ impl Sidecar {
         self.publish(deltas);
         self.drop_from_index(&pod.reg.model, id);
         self.text_tokens.forget_pod(id);
+        self.returns.forget(id);
         self.metrics.forget_pod(id);
         self.metrics.pods_removed.inc(reason, 1);
         true
@@ -319,6 +323,13 @@ impl Sidecar {
     }
 
     pub fn apply_remote_at(&self, l: &LoadDelta, now: Instant) {
+        // Every replica subscribes to all replicas' subjects, its own included: its own
+        // deltas come back, and an echo of an older turn would rebind that turn's
+        // session to the pod it had then (and the ledger already has its own load).
+        if l.replica == self.replica() {
+            self.metrics.replica_deltas.inc("own", 1);
+            return;
+        }
         let cfg = self.config();
         // Under a registry view: a pod removed meanwhile gets no load after its removal.
         let pods = self.registry.view();
@@ -331,6 +342,7 @@ impl Sidecar {
                         let bound = crate::affinity::Bound {
                             pod: id.clone(),
                             tokens: l.bound_tokens,
+                            tip: None,
                         };
                         let max = cfg.max_bindings as usize;
                         self.bindings.bind(kind, key, bound, now, max);

@@ -31,6 +31,7 @@ pub fn pod(sc: &Sidecar, p: &crate::registry::Pod, now: Instant) -> Value {
         "event_lag_s": sc.metrics.event_lag(&p.id),
         "predicted_capacity_blocks": sc.predicted.capacity_of(&p.id),
         "eviction_pressure": sc.predicted.pressure_of(&p.id),
+        "returning_evicted": sc.returns.pressure_of(&p.id),
         "text_tokens": sc.text_tokens.of_pod(&p.id),
         "last_seen_s": now.duration_since(p.last_seen).as_secs_f64(),
         "breaker_open": p.breaker_open(now),

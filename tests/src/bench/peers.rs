@@ -130,12 +130,19 @@ fn timed(reqs: &[workload::Request], seconds: f64, salt: u64, o: &Opts) -> Vec<T
                 .collect();
             let scale = o.block_text as f64 / workload::MOONCAKE_BLOCK_TOKENS as f64;
             let max_tokens = ((r.output_tokens as f64 * scale).round() as u64).clamp(1, 64);
+            let mut body = json!({"model": "m", "prompt": prompt,
+                "max_tokens": max_tokens, "stream": true,
+                "stream_options": {"include_usage": true}});
+            // A session's requests carry its id, as agent clients send one (OpenAI's
+            // `user`; Claude Code's session header): a router may use it, the peers
+            // ignore it. Salted like the text, so no run sees another's sessions.
+            if let Some(s) = r.session {
+                body["user"] = json!(format!("session-{:x}", s ^ salt.rotate_left(29)));
+            }
             Timed {
                 at: Duration::from_secs_f64(r.ts_ms / 1000.0 / o.speedup),
                 session: r.session,
-                call: Call::Completion(json!({"model": "m", "prompt": prompt,
-                    "max_tokens": max_tokens, "stream": true,
-                    "stream_options": {"include_usage": true}})),
+                call: Call::Completion(body),
             }
         })
         .collect()

@@ -212,6 +212,7 @@ mod tests {
             load_only: false,
             gated: false,
             spread_ties: false,
+            pressure_from_returns: false,
         }
     }
 

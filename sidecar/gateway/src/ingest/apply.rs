@@ -145,6 +145,7 @@ pub(super) fn reset_pod(
     if let Some((ix, r)) = sc.predicted.forget(model, pod) {
         sc.queue_cleanup(ix, r);
     }
+    sc.returns.forget(pod);
     tracing::debug!(pod, why, "pod blocks dropped");
     Ok(h)
 }

@@ -303,6 +303,21 @@ fn validate(cfg: &PolicyConfig, req: &RouteRequest) -> Result<(), RouteError> {
     Ok(())
 }
 
+/// Tokens at the end of a session's prompt that its next turn may not repeat: the
+/// generation prompt the chat template appended, a partial message the client rewrites,
+/// a block of text whose tokens merge with what follows.
+const TIP_SLACK_TOKENS: u32 = 256;
+
+/// The block of a token chain a session's next turn is checked against (`Bound::tip`):
+/// its place (blocks up to and including it) and hash, [`TIP_SLACK_TOKENS`] before the
+/// chain's end. `None` for a chain shorter than that.
+fn tip(chain: &[u64], block_size: u32) -> Option<(u32, u64)> {
+    let slack = TIP_SLACK_TOKENS.div_ceil(block_size.max(1)) as usize;
+    let n = chain.len().checked_sub(slack)?;
+    let last = *chain.get(n.checked_sub(1)?)?;
+    Some((u32::try_from(n).ok()?, last))
+}
+
 /// What the indexes say about a request's chain, and the keys derived from it.
 pub struct Facts {
     pub index: Option<Arc<ModelIndex>>,
@@ -418,6 +433,7 @@ impl<'a> Route<'a> {
             load_only: false,
             gated: false,
             spread_ties: sc.ledger().has_peers(now),
+            pressure_from_returns: req.mode == Mode::Tokens,
         };
         Route {
             sc,
@@ -527,7 +543,7 @@ impl<'a> Route<'a> {
         // Only a request routed by guesses weighs what guesses learned of the caches.
         let pressures = match req.mode {
             Mode::Text => self.sc.predicted.pressures(&ids),
-            Mode::Tokens => vec![0.0; ids.len()],
+            Mode::Tokens => self.sc.returns.pressures(&ids),
         };
         // With other replicas routing here, every `count`-th pod from this one's rank is its
         // own for new prompts (ranks and pod order agree across replicas).
@@ -620,11 +636,35 @@ impl<'a> Route<'a> {
         // The session is where this turn went now, with this turn's whole prompt (a
         // continued response's history included).
         let mut deltas = deltas;
+        // A turn continuing its session's last prompt tells what the pod it went to
+        // has evicted of it since (a prompt that starts afresh — a sub-agent under the
+        // same session id, a compacted history — tells nothing).
+        if let Some((
+            _,
+            Some(Bound {
+                pod,
+                tip: Some((n, last)),
+                ..
+            }),
+        )) = &facts.session
+        {
+            if req.chain.get((*n as usize).wrapping_sub(1)) == Some(last) {
+                let held = facts
+                    .confirmed
+                    .iter()
+                    .find(|m| m.pod == *pod)
+                    .map_or(0, |m| m.depth.min(*n));
+                sc.returns.observe(pod, *n as u64, held as u64);
+            }
+        }
         if let Some((key, _)) = facts.session {
             let history = facts.response.as_ref().map_or(0, |r| r.tokens);
             let bound = Bound {
                 pod: serving.pod.clone(),
                 tokens: tokens.prompt + history,
+                tip: (req.mode == Mode::Tokens)
+                    .then(|| tip(&req.chain, req.block_size))
+                    .flatten(),
             };
             if let Some(d) = deltas.first_mut() {
                 d.session = Some(key);
@@ -797,6 +837,82 @@ mod tests {
         }
     }
 
+    /// A session's turn routed by tokens tells how much of its last prompt the pod it
+    /// went to still holds: a pod that evicted most of it gains eviction pressure; a
+    /// prompt that starts afresh under the same session (a sub-agent) tells nothing.
+    #[test]
+    fn returning_turns_measure_what_their_pod_evicted() {
+        use crate::ingest::{ingest, Recovery};
+        use kvroute_shared::protocol::{Event, EventBatch, Tier};
+        let (sc, _ch) = four_pods();
+        let locks = Recovery::default();
+        let turn = |chain: Vec<u64>| RouteRequest {
+            session: Some("s".into()),
+            ..tokens_req(chain, "r")
+        };
+        let first: Vec<u64> = (1000..1064).collect();
+        let a = route(&sc, &turn(first.clone())).expect("first");
+        done(&sc, &a);
+        let mut seq = 0;
+        let mut events = |events: Vec<Event>| {
+            let b = EventBatch::new(&a.pod, "m", "e", seq, events);
+            seq += 1;
+            ingest(&sc, &locks, &b).expect("ingest");
+        };
+        events(vec![Event::Stored {
+            tier: Tier::Gpu,
+            parent: None,
+            blocks: first.clone(),
+            tokens: None,
+        }]);
+        // The next turn finds all of it.
+        let second: Vec<u64> = (1000..1080).collect();
+        let b = route(&sc, &turn(second.clone())).expect("second");
+        done(&sc, &b);
+        assert_eq!(b.pod, a.pod);
+        assert_eq!(sc.returns.pressure_of(&a.pod), Some(0.0));
+        // The pod evicts all but the first 16 blocks; the third turn continues the
+        // second, which is checked 16 blocks (256 tokens) before its end: 64 blocks, of
+        // which 16 are left.
+        events(vec![
+            Event::Stored {
+                tier: Tier::Gpu,
+                parent: Some(1063),
+                blocks: (1064..1080).collect(),
+                tokens: None,
+            },
+            Event::Removed {
+                tier: Tier::Gpu,
+                blocks: (1016..1080).collect(),
+            },
+        ]);
+        let c = route(&sc, &turn((1000..1090).collect())).expect("third");
+        done(&sc, &c);
+        let p = sc.returns.pressure_of(&a.pod).unwrap_or(0.0);
+        assert!((p - 0.1 * 48.0 / 64.0).abs() < 1e-9, "{p}");
+        // A sub-agent under the same session id, with a prompt of its own: no change
+        // to whichever pod the session is bound to.
+        let before: Vec<f64> = (0..4)
+            .map(|i| {
+                sc.returns
+                    .pressure_of(&format!("10.0.0.{i}:8000"))
+                    .unwrap_or(0.0)
+            })
+            .collect();
+        let d = route(&sc, &turn((5000..5064).collect())).expect("sub-agent");
+        done(&sc, &d);
+        let e = route(&sc, &turn((1000..1095).collect())).expect("back");
+        done(&sc, &e);
+        let after: Vec<f64> = (0..4)
+            .map(|i| {
+                sc.returns
+                    .pressure_of(&format!("10.0.0.{i}:8000"))
+                    .unwrap_or(0.0)
+            })
+            .collect();
+        assert_eq!(before, after);
+    }
+
     /// Sessions and continued responses stay with their pods, weighed as hits: a
     /// session's next turn (whose chain the index knows nothing of) goes where its last
     /// turn went; a Responses turn naming `previous_response_id` goes to the pod that
@@ -887,6 +1003,28 @@ mod tests {
         other.apply_remote(&d);
         let a = route(&other, &turn(7777, Some("roaming"), None)).expect("route");
         assert_eq!(a.pod, "10.0.0.2:8000");
+        done(&other, &a);
+
+        // A replica hears its own deltas too (it subscribes to every replica's subject):
+        // an echo of an older turn's decision must not rebind the session to that turn's
+        // pod, nor drop what the binding knows of the turn's prompt.
+        let now = route(&other, &turn(7778, Some("roaming"), None)).expect("next");
+        done(&other, &now);
+        let key = affinity::key("m", "roaming");
+        let ttl = std::time::Duration::from_secs(3600);
+        let before = other.bindings.get(Kind::Session, key, Instant::now(), ttl);
+        let echo = LoadDelta {
+            replica: other.replica().to_string(),
+            id: format!("{}-1", other.replica()),
+            pod: "10.0.0.3:8000".into(),
+            ..d.clone()
+        };
+        other.apply_remote(&echo);
+        assert_eq!(
+            other.bindings.get(Kind::Session, key, Instant::now(), ttl),
+            before
+        );
+        assert!(before.is_some_and(|b| b.tip.is_some()));
     }
 
     /// A route answered after its caller's deadline (a slow first turn, a busy sidecar)

@@ -66,6 +66,7 @@ pub fn report_at(sc: &Sidecar, r: &CompletionReport, now: Instant) {
             Bound {
                 pod: d.placement.pod.clone(),
                 tokens,
+                tip: None,
             },
             now,
             cfg.max_bindings as usize,
