@@ -892,25 +892,21 @@ mod tests {
         assert!((p - 0.1 * 48.0 / 64.0).abs() < 1e-9, "{p}");
         // A sub-agent under the same session id, with a prompt of its own: no change
         // to whichever pod the session is bound to.
-        let before: Vec<f64> = (0..4)
-            .map(|i| {
-                sc.returns
-                    .pressure_of(&format!("10.0.0.{i}:8000"))
-                    .unwrap_or(0.0)
-            })
-            .collect();
+        let pressures = || -> Vec<f64> {
+            (0..4)
+                .map(|i| {
+                    sc.returns
+                        .pressure_of(&format!("10.0.0.{i}:8000"))
+                        .unwrap_or(0.0)
+                })
+                .collect()
+        };
+        let before = pressures();
         let d = route(&sc, &turn((5000..5064).collect())).expect("sub-agent");
         done(&sc, &d);
         let e = route(&sc, &turn((1000..1095).collect())).expect("back");
         done(&sc, &e);
-        let after: Vec<f64> = (0..4)
-            .map(|i| {
-                sc.returns
-                    .pressure_of(&format!("10.0.0.{i}:8000"))
-                    .unwrap_or(0.0)
-            })
-            .collect();
-        assert_eq!(before, after);
+        assert_eq!(before, pressures());
     }
 
     /// Sessions and continued responses stay with their pods, weighed as hits: a
