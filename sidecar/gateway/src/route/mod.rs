@@ -540,7 +540,8 @@ impl<'a> Route<'a> {
         } else {
             self.sc.ledger().in_flight(&self.req.chain, now)
         };
-        // Only a request routed by guesses weighs what guesses learned of the caches.
+        // Each chain weighs the eviction it can see: text chains, what their guesses'
+        // reports found; token chains, what their sessions' returning turns found.
         let pressures = match req.mode {
             Mode::Text => self.sc.predicted.pressures(&ids),
             Mode::Tokens => self.sc.returns.pressures(&ids),
@@ -633,9 +634,6 @@ impl<'a> Route<'a> {
             self.now,
             self.cfg,
         );
-        // The session is where this turn went now, with this turn's whole prompt (a
-        // continued response's history included).
-        let mut deltas = deltas;
         // A turn continuing its session's last prompt tells what the pod it went to
         // has evicted of it since (a prompt that starts afresh — a sub-agent under the
         // same session id, a compacted history — tells nothing).
@@ -657,6 +655,9 @@ impl<'a> Route<'a> {
                 sc.returns.observe(pod, *n as u64, held as u64);
             }
         }
+        // The session is where this turn went now, with this turn's whole prompt (a
+        // continued response's history included).
+        let mut deltas = deltas;
         if let Some((key, _)) = facts.session {
             let history = facts.response.as_ref().map_or(0, |r| r.tokens);
             let bound = Bound {
