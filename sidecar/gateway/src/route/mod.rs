@@ -636,7 +636,8 @@ impl<'a> Route<'a> {
         );
         // A turn continuing its session's last prompt tells what the pod it went to
         // has evicted of it since (a prompt that starts afresh — a sub-agent under the
-        // same session id, a compacted history — tells nothing).
+        // same session id, a compacted history — tells nothing, and neither does a pod
+        // whose events the index does not have: none yet, or a gap in them).
         if let Some((
             _,
             Some(Bound {
@@ -646,7 +647,8 @@ impl<'a> Route<'a> {
             }),
         )) = &facts.session
         {
-            if req.chain.get((*n as usize).wrapping_sub(1)) == Some(last) {
+            let known = pods.get(pod).is_some_and(|p| p.events_seen && !p.stale);
+            if known && req.chain.get((*n as usize).wrapping_sub(1)) == Some(last) {
                 let held = facts
                     .confirmed
                     .iter()
@@ -908,6 +910,23 @@ mod tests {
         let e = route(&sc, &turn((1000..1095).collect())).expect("back");
         done(&sc, &e);
         assert_eq!(before, pressures());
+        // A session on a pod whose engine has sent no events: its index knows nothing
+        // of what the pod holds, so a returning turn there says nothing either.
+        let quiet = |chain: Vec<u64>| RouteRequest {
+            session: Some("q".into()),
+            ..tokens_req(chain, "q")
+        };
+        let (x, base) = (1..20u64)
+            .map(|k| {
+                let x = route(&sc, &quiet((k * 7000..k * 7000 + 64).collect())).expect("quiet");
+                done(&sc, &x);
+                (x, k * 7000)
+            })
+            .find(|(x, _)| x.pod != a.pod)
+            .expect("a first turn on a pod without events");
+        let y = route(&sc, &quiet((base..base + 80).collect())).expect("quiet again");
+        done(&sc, &y);
+        assert_eq!(sc.returns.pressure_of(&x.pod), None);
     }
 
     /// Sessions and continued responses stay with their pods, weighed as hits: a
