@@ -70,8 +70,12 @@ impl VllmPublisher {
 
     fn send(&mut self, events: Vec<Value>) {
         // vLLM's `EventBatch` is an `array_like` struct: `[ts, events, data_parallel_rank]`;
-        // only the events inside are maps tagged by "type".
-        let batch = Value::Array(vec![0.0.into(), Value::Array(events), 0.into()]);
+        // only the events inside are maps tagged by "type". `ts` is the wall clock in
+        // seconds, as vLLM's `time.time()` (the sidecar's event lag is read from it).
+        let ts = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        let batch = Value::Array(vec![ts.into(), Value::Array(events), 0.into()]);
         let mut payload = Vec::new();
         if rmpv::encode::write_value(&mut payload, &batch).is_ok() {
             let _ = self.tx.send(Msg::Batch(self.seq, payload));

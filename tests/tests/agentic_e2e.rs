@@ -159,6 +159,29 @@ async fn agent_sessions_stay_with_their_pods() {
     // kinds); responses: every response id learned, stored or not.
     assert_eq!(status["bindings"]["session"], 9, "{}", status["bindings"]);
     assert_eq!(status["bindings"]["response"], 24, "{}", status["bindings"]);
+    // Every session's first turn placed it, and every later turn found its binding's pod.
+    let turns = &status["counters"]["session_turns"];
+    assert_eq!(
+        (
+            &turns["new"],
+            &turns["stayed"],
+            turns["moved"].as_u64().unwrap_or(0)
+        ),
+        (&serde_json::json!(9), &serde_json::json!(27), 0),
+        "{turns}"
+    );
+    // The engines stamp their event batches with the wall clock, as vLLM does: the lag
+    // the sidecar reads off them is the events' trip, not the epoch.
+    let lags: Vec<f64> = status["pods"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| p["event_lag_s"].as_f64())
+        .collect();
+    assert!(
+        !lags.is_empty() && lags.iter().all(|l| *l < 60.0),
+        "event lags {lags:?}"
+    );
 
     // A second gateway replica: its own sidecar (the same NATS) behind its own Envoy.
     let replica = stack.replica().await.expect("replica");
@@ -226,5 +249,10 @@ async fn agent_sessions_stay_with_their_pods() {
     assert_eq!(moved.len(), 3);
     let new_home = pods_per_session(&moved, true);
     assert_ne!(new_home[0].2, gone, "rebound off the removed pod");
+    let turns = stack.api.get("/v1/status").await.json["counters"]["session_turns"].clone();
+    assert_eq!(
+        turns["moved"], 1,
+        "the first turn after the removal moved: {turns}"
+    );
     drop(replica);
 }

@@ -123,6 +123,10 @@ pub struct Metrics {
     /// Load deltas between replicas: "queued", "published", "dropped_full",
     /// "publish_failed", "applied", "ignored", "own" (this replica's, heard back).
     pub replica_deltas: Labeled,
+    /// Routed requests that carried a session key, by where they went against the
+    /// session's binding: "new" (no binding), "stayed" (its bound pod), "moved" (another
+    /// pod: the turn left its cache for load, or its pod was gone).
+    pub session_turns: Labeled,
     /// Admission queue states between replicas: "published", "publish_failed",
     /// "applied", "no_room" (this replica queues nothing for the model), "malformed",
     /// "subject_mismatch", and the refusals' labels ("own", "too_large", "bad_number",
@@ -195,6 +199,7 @@ impl Default for Metrics {
             load_released: Labeled::new("how"),
             report_decisions: Labeled::new("outcome"),
             replica_deltas: Labeled::new("outcome"),
+            session_turns: Labeled::new("outcome"),
             replica_queues: Labeled::new("outcome"),
             event_lag: Family::default(),
             nats_connected: Gauge::default(),
@@ -307,6 +312,11 @@ impl Default for Metrics {
                 "kvroute_replica_deltas",
                 "Load deltas exchanged with other replicas.",
                 &m.replica_deltas,
+            ),
+            (
+                "kvroute_session_turns",
+                "Requests with a session key, by whether they went to the session's bound pod (stayed), to another (moved) or had no binding (new).",
+                &m.session_turns,
             ),
             (
                 "kvroute_replica_queues",

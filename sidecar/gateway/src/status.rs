@@ -123,6 +123,7 @@ pub fn snapshot(sc: &Sidecar) -> Value {
             "picker_requests": as_map(m.picker.snapshot()),
             "admission": as_map(m.admission.snapshot()),
             "replica_queues": as_map(m.replica_queues.snapshot()),
+            "session_turns": as_map(m.session_turns.snapshot()),
             "inflight": sc.ledger().outstanding(),
         },
         "memory": {

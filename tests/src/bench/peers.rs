@@ -82,6 +82,28 @@ struct Gateway {
     label: String,
     bases: Vec<String>,
     pids: Vec<u32>,
+    /// kvroute's sidecars' status pages (none for the peers): where a run's session
+    /// turns went against their bindings is read from them.
+    statuses: Vec<String>,
+}
+
+/// Session turns routed so far by the sidecars behind `statuses`: (moved off their
+/// session's pod, stayed on it). Several gateways share one sidecar, so a run's own
+/// figures are the difference across it.
+async fn session_turns(http: &reqwest::Client, statuses: &[String]) -> (u64, u64) {
+    let mut out = (0, 0);
+    for url in statuses {
+        let Ok(r) = http.get(url).send().await else {
+            continue;
+        };
+        let Ok(v) = r.json::<Value>().await else {
+            continue;
+        };
+        let turns = &v["counters"]["session_turns"];
+        out.0 += turns["moved"].as_u64().unwrap_or(0);
+        out.1 += turns["stayed"].as_u64().unwrap_or(0);
+    }
+    out
 }
 
 /// The gateway of two kvroute replicas sharing NATS over the same engines.
@@ -368,16 +390,19 @@ pub async fn run(o: &Opts) -> anyhow::Result<Value> {
             label: "round-robin Envoy".into(),
             bases: vec![stack.plain.url("")],
             pids: vec![stack.plain.child.pid()],
+            statuses: vec![],
         },
         Gateway {
             label: "kvroute precise".into(),
             bases: vec![stack.envoy.url("")],
             pids: [vec![stack.envoy.child.pid()], kvroute_pids.clone()].concat(),
+            statuses: vec![stack.sidecar.url("/v1/status")],
         },
         Gateway {
             label: "kvroute predicted".into(),
             bases: vec![predicted.url("")],
             pids: [vec![predicted.child.pid()], kvroute_pids.clone()].concat(),
+            statuses: vec![stack.sidecar.url("/v1/status")],
         },
     ];
     if let Some(r) = &replica {
@@ -393,6 +418,7 @@ pub async fn run(o: &Opts) -> anyhow::Result<Value> {
                 kvroute_pids,
             ]
             .concat(),
+            statuses: vec![stack.sidecar.url("/v1/status"), r.sidecar.url("/v1/status")],
         });
     }
     let mut peers = Vec::new();
@@ -408,6 +434,7 @@ pub async fn run(o: &Opts) -> anyhow::Result<Value> {
             label: k.label().into(),
             bases: vec![p.url.clone()],
             pids: vec![p.pid()],
+            statuses: vec![],
         });
         peers.push(p);
     }
@@ -421,6 +448,7 @@ pub async fn run(o: &Opts) -> anyhow::Result<Value> {
         eprintln!("== filling the engines' caches");
         crate::steady::fill_caches(&engines, o.capacity_blocks, 16, 1.5).await?;
     }
+    let http = reqwest::Client::new();
     let mut out = json!({"engines": n_engines, "capacity_blocks": o.capacity_blocks,
         "rounds": o.rounds, "policy": o.policy, "versions": {"smg": crate::peers::SMG_VERSION,
         "vllm-router": crate::peers::VLLM_ROUTER_VERSION}, "workloads": {}});
@@ -429,15 +457,20 @@ pub async fn run(o: &Opts) -> anyhow::Result<Value> {
         let l = load(name, o)?;
         let mut runs: Vec<Vec<(Vec<demo::Outcome>, f64, f64)>> =
             gws.iter().map(|_| vec![]).collect();
+        let mut turns: Vec<(u64, u64)> = vec![(0, 0); gws.len()];
         for round in 0..o.rounds {
             for k in 0..gws.len() {
                 let gi = (k + round) % gws.len();
                 let g = &gws[gi];
                 let seed = 1000 * (wi as u64 + 1) + 100 * round as u64 + gi as u64;
                 let cpu0 = cpu_of(&g.pids);
+                let turns0 = session_turns(&http, &g.statuses).await;
                 let t = Instant::now();
                 let outcomes = l.run(&g.bases, seed, o).await;
                 let cpu = cpu_of(&g.pids) - cpu0;
+                let turns1 = session_turns(&http, &g.statuses).await;
+                turns[gi].0 += turns1.0.saturating_sub(turns0.0);
+                turns[gi].1 += turns1.1.saturating_sub(turns0.1);
                 let s = demo::summarize(&outcomes);
                 eprintln!(
                     "   {name} round {} {:<24} {:>5} requests in {:>5.1} s: hit {:.3}, TTFT mean {:.1} ms",
@@ -464,11 +497,32 @@ pub async fn run(o: &Opts) -> anyhow::Result<Value> {
             &rows,
             n_engines,
         );
+        // Where kvroute's hits go: a session turn moved off its pod prefills its whole
+        // prompt elsewhere (the peers keep no such count).
+        let mut t = t;
+        for (g, &(moved, stayed)) in gws.iter().zip(&turns) {
+            if moved + stayed > 0 {
+                t += &format!(
+                    "{}: {:.1}% of returning session turns moved off their pod ({moved} of {})\n",
+                    g.label,
+                    100.0 * moved as f64 / (moved + stayed) as f64,
+                    moved + stayed
+                );
+            }
+        }
         print!("{t}");
         printed += &t;
         out["workloads"][name] = rows
             .iter()
-            .map(|(l, r)| (l.clone(), row_json(r, n_engines)))
+            .zip(&turns)
+            .map(|((l, r), &(moved, stayed))| {
+                let mut v = row_json(r, n_engines);
+                if moved + stayed > 0 {
+                    v["session_turns_moved"] = json!(moved);
+                    v["session_turns_stayed"] = json!(stayed);
+                }
+                (l.clone(), v)
+            })
             .collect::<serde_json::Map<_, _>>()
             .into();
     }

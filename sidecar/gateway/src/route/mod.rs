@@ -660,7 +660,14 @@ impl<'a> Route<'a> {
         // The session is where this turn went now, with this turn's whole prompt (a
         // continued response's history included).
         let mut deltas = deltas;
-        if let Some((key, _)) = facts.session {
+        if let Some((key, was)) = &facts.session {
+            let key = *key;
+            let outcome = match was {
+                None => "new",
+                Some(b) if b.pod == serving.pod => "stayed",
+                Some(_) => "moved",
+            };
+            sc.metrics.session_turns.inc(outcome, 1);
             let history = facts.response.as_ref().map_or(0, |r| r.tokens);
             let bound = Bound {
                 pod: serving.pod.clone(),
