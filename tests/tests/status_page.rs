@@ -39,7 +39,8 @@ async fn the_status_page_shows_what_the_api_reports() {
     let chat = stack.envoy.url("/v1/chat/completions");
     let mut chat_pods = Vec::new();
     for i in 0..8 {
-        let body = json!({"model": "m", "max_tokens": 2, "messages": [
+        // Four users, two chats each: the second is a session's later turn.
+        let body = json!({"model": "m", "max_tokens": 2, "user": format!("user-{}", i % 4), "messages": [
             {"role": "system", "content": format!("You are assistant {}. {}", i % 2, "Be brief. ".repeat(40))},
             {"role": "user", "content": format!("question {i}")}]});
         chat_pods.push(post(&chat, &body).await);

@@ -63,6 +63,12 @@ try {
   const total = await page.$eval("#t-decisions", (e) => e.textContent.replace(/,/g, ""));
   assert.equal(Number(total), st2.counters.decisions, "decisions total");
   assert.ok(st2.counters.decisions > 0, "the stack made decisions");
+  // Sessions' later turns: how many left their bound pod, in the bindings tile's title.
+  const turns = st2.counters.session_turns || {};
+  const later = (turns.stayed ?? 0) + (turns.moved ?? 0);
+  assert.ok(later > 0, `the traffic has sessions' later turns: ${JSON.stringify(turns)}`);
+  const bindingsTitle = await page.$eval("#t-bindings", (e) => e.title);
+  assert.ok(bindingsTitle.includes(`moved off their pod: ${turns.moved ?? 0} of ${later}`), `bindings tile: ${bindingsTitle}`);
   // A rate needs two polls; after a few it is a number.
   await page.waitForFunction(() => /^\d/.test(document.querySelector("#t-rate").textContent), null, { timeout: 10000 });
 

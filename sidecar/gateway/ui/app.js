@@ -73,7 +73,11 @@ function drawStatus(s, d) {
   $("t-refused").textContent = `${fmt(sum(c.events_rejected))} / ${fmt(c.reports_rejected)}`;
   const b = s.bindings || {};
   $("t-bindings").textContent = `${fmt(b.session ?? 0)} / ${fmt(b.response ?? 0)}`;
-  $("t-bindings").title = `at most ${fmt(b.max_per_kind ?? 0)} of each (${fmt((b.max_bytes ?? 0) / 1048576, 1)} MiB)`;
+  // A session turn sent off its bound pod prefills its prompt again there.
+  const st = c.session_turns || {};
+  const back = (st.stayed ?? 0) + (st.moved ?? 0);
+  const moved = back ? ` · later turns moved off their pod: ${fmt(st.moved ?? 0)} of ${fmt(back)} (${fmt((100 * (st.moved ?? 0)) / back, 1)}%)` : "";
+  $("t-bindings").title = `at most ${fmt(b.max_per_kind ?? 0)} of each (${fmt((b.max_bytes ?? 0) / 1048576, 1)} MiB)${moved}`;
 
   const pk = c.picker_requests || {};
   const steered = pk.routed ?? 0;
