@@ -253,3 +253,41 @@ fn push_entries(
         });
     }
 }
+
+/// `reqs` with each output scaled by `scale` and capped at `max` tokens, at least one:
+/// the outputs `kvroute-bench peers` asks the live engines for (it turns a trace block
+/// into 64 tokens of text, scales outputs by the same 1/8 and asks for at most 64), so
+/// the simulator can run the live load's decode.
+pub fn scale_outputs(reqs: &[Request], scale: f64, max: u32) -> Vec<Request> {
+    reqs.iter()
+        .map(|r| Request {
+            output_tokens: ((r.output_tokens as f64 * scale).round() as u32).clamp(1, max.max(1)),
+            ..r.clone()
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outputs_scale_like_the_live_load() {
+        let req = |out| Request {
+            ts_ms: 0.0,
+            input_tokens: 1024,
+            output_tokens: out,
+            chain: vec![1, 2],
+            session: None,
+        };
+        let reqs = [req(1), req(80), req(400), req(10_000)];
+        let got: Vec<u32> = scale_outputs(&reqs, 0.125, 64)
+            .iter()
+            .map(|r| r.output_tokens)
+            .collect();
+        assert_eq!(got, vec![1, 10, 50, 64]);
+        // Nothing else changes.
+        let one = scale_outputs(&reqs[1..2], 1.0, u32::MAX);
+        assert_eq!((one[0].output_tokens, &one[0].chain), (80, &reqs[1].chain));
+    }
+}

@@ -133,6 +133,18 @@ enum Cmd {
         /// The simulated engines' decode step, ms (default 10).
         #[arg(long)]
         engine_decode_ms: Option<f64>,
+        /// Requests the simulated engines run at once (default 16); `kvroute-bench
+        /// peers` runs its engines with 8.
+        #[arg(long)]
+        engine_max_batch: Option<u32>,
+        /// Each request's output tokens times this, at least 1 (`kvroute-bench peers`
+        /// turns a trace block into 64 tokens of text and scales outputs by the same
+        /// 1/8).
+        #[arg(long)]
+        output_scale: Option<f64>,
+        /// Each request's output tokens, at most (`kvroute-bench peers` asks for 64).
+        #[arg(long)]
+        max_output_tokens: Option<u32>,
         /// Write the requests (after --trace-seconds and --speedup) as a Mooncake trace
         /// to this file and exit, for another router's replay of the same load.
         #[arg(long)]
@@ -366,6 +378,9 @@ fn main() -> anyhow::Result<()> {
             config,
             engine_prefill_tps,
             engine_decode_ms,
+            engine_max_batch,
+            output_scale,
+            max_output_tokens,
             export_mooncake,
             text_bytes_per_token,
             priorities,
@@ -395,6 +410,13 @@ fn main() -> anyhow::Result<()> {
             if let Some(ms) = engine_decode_ms {
                 anyhow::ensure!(ms.is_finite() && ms > 0.0, "--engine-decode-ms {ms}");
                 cost.decode_ms = ms;
+            }
+            if let Some(b) = engine_max_batch {
+                anyhow::ensure!(b >= 1, "--engine-max-batch {b}");
+                cost.max_batch = b as usize;
+            }
+            if let Some(x) = output_scale {
+                anyhow::ensure!(x.is_finite() && x > 0.0, "--output-scale {x}");
             }
             anyhow::ensure!(seeds >= 1, "--seeds {seeds}");
             let mut last = Vec::new();
@@ -431,6 +453,17 @@ fn main() -> anyhow::Result<()> {
             for seed in seed..seed + seeds {
                 let runs = w.load(seed)?;
                 for (label, reqs, bt) in &runs {
+                    let scaled;
+                    let reqs = if output_scale.is_some() || max_output_tokens.is_some() {
+                        scaled = kvroute_tests::workload::scale_outputs(
+                            reqs,
+                            output_scale.unwrap_or(1.0),
+                            max_output_tokens.unwrap_or(u32::MAX),
+                        );
+                        &scaled
+                    } else {
+                        reqs
+                    };
                     let o = SimOpts {
                         pods,
                         capacity_blocks: capacity_blocks.unwrap_or(if *bt == 512 {
