@@ -82,28 +82,6 @@ struct Gateway {
     label: String,
     bases: Vec<String>,
     pids: Vec<u32>,
-    /// kvroute's sidecars' status pages (none for the peers): where a run's session
-    /// turns went against their bindings is read from them.
-    statuses: Vec<String>,
-}
-
-/// Session turns routed so far by the sidecars behind `statuses`: (moved off their
-/// session's pod, stayed on it). Several gateways share one sidecar, so a run's own
-/// figures are the difference across it.
-async fn session_turns(http: &reqwest::Client, statuses: &[String]) -> (u64, u64) {
-    let mut out = (0, 0);
-    for url in statuses {
-        let Ok(r) = http.get(url).send().await else {
-            continue;
-        };
-        let Ok(v) = r.json::<Value>().await else {
-            continue;
-        };
-        let turns = &v["counters"]["session_turns"];
-        out.0 += turns["moved"].as_u64().unwrap_or(0);
-        out.1 += turns["stayed"].as_u64().unwrap_or(0);
-    }
-    out
 }
 
 /// The gateway of two kvroute replicas sharing NATS over the same engines.
@@ -189,6 +167,39 @@ impl Load {
             }
         }
     }
+}
+
+impl Load {
+    /// Each request's session, in the order [`Load::run`] returns their outcomes (none
+    /// for the chat load, whose users are not sessions of the traces).
+    fn sessions(&self) -> Vec<Option<u64>> {
+        match self {
+            Load::Chat(_) => vec![],
+            Load::Trace(reqs, secs) => reqs
+                .iter()
+                .filter(|r| r.ts_ms <= secs * 1000.0)
+                .map(|r| r.session)
+                .collect(),
+        }
+    }
+}
+
+/// Of the served requests that continue a session (not its first), how many a router
+/// sent to another pod than the session's previous turn: (moved, returning). Measured
+/// at the client, so every router is counted alike. `outcomes` are in request order.
+fn moved_turns(outcomes: &[demo::Outcome], sessions: &[Option<u64>]) -> (u64, u64) {
+    let mut last: std::collections::HashMap<u64, &str> = Default::default();
+    let (mut moved, mut returning) = (0, 0);
+    for (o, s) in outcomes.iter().zip(sessions) {
+        let (Some(s), true) = (s, o.ok) else {
+            continue;
+        };
+        if let Some(prev) = last.insert(*s, o.pod.as_str()) {
+            returning += 1;
+            moved += u64::from(prev != o.pod);
+        }
+    }
+    (moved, returning)
 }
 
 fn load(name: &str, o: &Opts) -> anyhow::Result<Load> {
@@ -390,19 +401,16 @@ pub async fn run(o: &Opts) -> anyhow::Result<Value> {
             label: "round-robin Envoy".into(),
             bases: vec![stack.plain.url("")],
             pids: vec![stack.plain.child.pid()],
-            statuses: vec![],
         },
         Gateway {
             label: "kvroute precise".into(),
             bases: vec![stack.envoy.url("")],
             pids: [vec![stack.envoy.child.pid()], kvroute_pids.clone()].concat(),
-            statuses: vec![stack.sidecar.url("/v1/status")],
         },
         Gateway {
             label: "kvroute predicted".into(),
             bases: vec![predicted.url("")],
             pids: [vec![predicted.child.pid()], kvroute_pids.clone()].concat(),
-            statuses: vec![stack.sidecar.url("/v1/status")],
         },
     ];
     if let Some(r) = &replica {
@@ -418,7 +426,6 @@ pub async fn run(o: &Opts) -> anyhow::Result<Value> {
                 kvroute_pids,
             ]
             .concat(),
-            statuses: vec![stack.sidecar.url("/v1/status"), r.sidecar.url("/v1/status")],
         });
     }
     let mut peers = Vec::new();
@@ -434,7 +441,6 @@ pub async fn run(o: &Opts) -> anyhow::Result<Value> {
             label: k.label().into(),
             bases: vec![p.url.clone()],
             pids: vec![p.pid()],
-            statuses: vec![],
         });
         peers.push(p);
     }
@@ -448,7 +454,6 @@ pub async fn run(o: &Opts) -> anyhow::Result<Value> {
         eprintln!("== filling the engines' caches");
         crate::steady::fill_caches(&engines, o.capacity_blocks, 16, 1.5).await?;
     }
-    let http = reqwest::Client::new();
     let mut out = json!({"engines": n_engines, "capacity_blocks": o.capacity_blocks,
         "rounds": o.rounds, "policy": o.policy, "versions": {"smg": crate::peers::SMG_VERSION,
         "vllm-router": crate::peers::VLLM_ROUTER_VERSION}, "workloads": {}});
@@ -458,19 +463,19 @@ pub async fn run(o: &Opts) -> anyhow::Result<Value> {
         let mut runs: Vec<Vec<(Vec<demo::Outcome>, f64, f64)>> =
             gws.iter().map(|_| vec![]).collect();
         let mut turns: Vec<(u64, u64)> = vec![(0, 0); gws.len()];
+        let sessions = l.sessions();
         for round in 0..o.rounds {
             for k in 0..gws.len() {
                 let gi = (k + round) % gws.len();
                 let g = &gws[gi];
                 let seed = 1000 * (wi as u64 + 1) + 100 * round as u64 + gi as u64;
                 let cpu0 = cpu_of(&g.pids);
-                let turns0 = session_turns(&http, &g.statuses).await;
                 let t = Instant::now();
                 let outcomes = l.run(&g.bases, seed, o).await;
                 let cpu = cpu_of(&g.pids) - cpu0;
-                let turns1 = session_turns(&http, &g.statuses).await;
-                turns[gi].0 += turns1.0.saturating_sub(turns0.0);
-                turns[gi].1 += turns1.1.saturating_sub(turns0.1);
+                let (moved, returning) = moved_turns(&outcomes, &sessions);
+                turns[gi].0 += moved;
+                turns[gi].1 += returning;
                 let s = demo::summarize(&outcomes);
                 eprintln!(
                     "   {name} round {} {:<24} {:>5} requests in {:>5.1} s: hit {:.3}, TTFT mean {:.1} ms",
@@ -497,16 +502,15 @@ pub async fn run(o: &Opts) -> anyhow::Result<Value> {
             &rows,
             n_engines,
         );
-        // Where kvroute's hits go: a session turn moved off its pod prefills its whole
-        // prompt elsewhere (the peers keep no such count).
+        // Where the hits go: a session's turn served by another pod than its previous
+        // turn prefills its whole prompt there.
         let mut t = t;
-        for (g, &(moved, stayed)) in gws.iter().zip(&turns) {
-            if moved + stayed > 0 {
+        for (g, &(moved, returning)) in gws.iter().zip(&turns) {
+            if returning > 0 {
                 t += &format!(
-                    "{}: {:.1}% of returning session turns moved off their pod ({moved} of {})\n",
+                    "{}: {:.1}% of returning session turns on another pod than the session's last ({moved} of {returning})\n",
                     g.label,
-                    100.0 * moved as f64 / (moved + stayed) as f64,
-                    moved + stayed
+                    100.0 * moved as f64 / returning as f64,
                 );
             }
         }
@@ -515,11 +519,11 @@ pub async fn run(o: &Opts) -> anyhow::Result<Value> {
         out["workloads"][name] = rows
             .iter()
             .zip(&turns)
-            .map(|((l, r), &(moved, stayed))| {
+            .map(|((l, r), &(moved, returning))| {
                 let mut v = row_json(r, n_engines);
-                if moved + stayed > 0 {
+                if returning > 0 {
                     v["session_turns_moved"] = json!(moved);
-                    v["session_turns_stayed"] = json!(stayed);
+                    v["session_turns_returning"] = json!(returning);
                 }
                 (l.clone(), v)
             })
@@ -549,4 +553,41 @@ pub async fn run(o: &Opts) -> anyhow::Result<Value> {
     drop(predicted);
     drop(stack);
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn turns_are_moved_against_their_sessions_previous_pod() {
+        let at = |pod: &str, ok| demo::Outcome {
+            ok,
+            pod: pod.into(),
+            ..Default::default()
+        };
+        // Session 1: a, a, b (moved), b. Session 2: b, then a failure (not counted),
+        // then a (moved from b). A request without a session counts for nothing.
+        let outcomes = [
+            at("a", true),
+            at("b", true),
+            at("a", true),
+            at("b", true),
+            at("x", false),
+            at("b", true),
+            at("a", true),
+            at("c", true),
+        ];
+        let sessions = [
+            Some(1),
+            Some(2),
+            Some(1),
+            Some(1),
+            Some(2),
+            Some(1),
+            Some(2),
+            None,
+        ];
+        assert_eq!(moved_turns(&outcomes, &sessions), (2, 4));
+    }
 }
