@@ -118,10 +118,14 @@ fn block_text(id: u64, salt: u64, tokens: u32) -> String {
     t
 }
 
+/// The requests of a trace replayed for its first `seconds`, in order.
+fn replayed(reqs: &[workload::Request], seconds: f64) -> impl Iterator<Item = &workload::Request> {
+    reqs.iter().filter(move |r| r.ts_ms <= seconds * 1000.0)
+}
+
 /// A trace's requests as timed text completions.
 fn timed(reqs: &[workload::Request], seconds: f64, salt: u64, o: &Opts) -> Vec<Timed> {
-    reqs.iter()
-        .filter(|r| r.ts_ms <= seconds * 1000.0)
+    replayed(reqs, seconds)
         .map(|r| {
             let prompt: String = r
                 .chain
@@ -167,19 +171,13 @@ impl Load {
             }
         }
     }
-}
 
-impl Load {
     /// Each request's session, in the order [`Load::run`] returns their outcomes (none
     /// for the chat load, whose users are not sessions of the traces).
     fn sessions(&self) -> Vec<Option<u64>> {
         match self {
             Load::Chat(_) => vec![],
-            Load::Trace(reqs, secs) => reqs
-                .iter()
-                .filter(|r| r.ts_ms <= secs * 1000.0)
-                .map(|r| r.session)
-                .collect(),
+            Load::Trace(reqs, secs) => replayed(reqs, *secs).map(|r| r.session).collect(),
         }
     }
 }
