@@ -293,6 +293,9 @@ pub struct Outcome {
     pub cached_tokens: u64,
     /// The text the model answered (streamed deltas joined), if it answered.
     pub reply: Option<String>,
+    /// When it was sent, from the start of a timed replay (zero in other loads): with
+    /// `e2e`, what each pod had in flight when a router chose.
+    pub sent: Duration,
 }
 
 /// What a chat client sends as turn `k + 1`: its conversation with the model's own
@@ -384,6 +387,7 @@ async fn call(http: &reqwest::Client, base: &str, c: &Call) -> Outcome {
             .as_u64()
             .unwrap_or(0),
         reply: reply.filter(|_| ok),
+        sent: Duration::ZERO,
     }
 }
 
@@ -504,7 +508,9 @@ pub async fn run_timed_via(
                 let Ok(_permit) = gate.acquire().await else {
                     break;
                 };
-                out.push((i, call(&http, spread.pick(), &c).await));
+                let sent = start.elapsed();
+                let o = call(&http, spread.pick(), &c).await;
+                out.push((i, Outcome { sent, ..o }));
             }
             out
         });

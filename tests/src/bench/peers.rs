@@ -57,6 +57,8 @@ pub struct Opts {
     pub overhead_requests: usize,
     /// Settings merged into the sidecar's policy config (after the prefill rate).
     pub policy: serde_json::Map<String, Value>,
+    /// A directory for every trace request's outcome ([`dump_outcomes`]).
+    pub dump: Option<std::path::PathBuf>,
 }
 
 impl Default for Opts {
@@ -72,6 +74,7 @@ impl Default for Opts {
             chat_users: 24,
             overhead_requests: 200,
             policy: serde_json::Map::new(),
+            dump: None,
         }
     }
 }
@@ -172,14 +175,55 @@ impl Load {
         }
     }
 
+    /// The trace requests, in the order [`Load::run`] returns their outcomes (none for
+    /// the chat load).
+    fn requests(&self) -> Vec<&workload::Request> {
+        match self {
+            Load::Chat(_) => vec![],
+            Load::Trace(reqs, secs) => replayed(reqs, *secs).collect(),
+        }
+    }
+
     /// Each request's session, in the order [`Load::run`] returns their outcomes (none
     /// for the chat load, whose users are not sessions of the traces).
     fn sessions(&self) -> Vec<Option<u64>> {
-        match self {
-            Load::Chat(_) => vec![],
-            Load::Trace(reqs, secs) => replayed(reqs, *secs).map(|r| r.session).collect(),
-        }
+        self.requests().iter().map(|r| r.session).collect()
     }
+}
+
+/// Appends one JSON line per trace request to `<dir>/<workload>.jsonl`: the gateway and
+/// round, the request's session and trace chain, when it was sent and what it got (pod,
+/// hits, TTFT, end). With it a router's choices can be replayed offline against what
+/// each pod had in flight at the moment it chose (how the simulator's imitations are
+/// checked against the real routers).
+fn dump_outcomes(
+    dir: &std::path::Path,
+    workload: &str,
+    gateway: &str,
+    round: usize,
+    block_tokens: u32,
+    reqs: &[&workload::Request],
+    outcomes: &[demo::Outcome],
+) -> anyhow::Result<()> {
+    use std::io::Write;
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join(format!("{workload}.jsonl"));
+    let mut f = std::io::BufWriter::new(
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)?,
+    );
+    let ms = |d: Duration| (d.as_secs_f64() * 1e6).round() / 1e3;
+    for (i, (r, o)) in reqs.iter().zip(outcomes).enumerate() {
+        let line = json!({"gateway": gateway, "round": round, "i": i, "session": r.session,
+            "sent_ms": ms(o.sent), "ttft_ms": ms(o.ttft), "e2e_ms": ms(o.e2e), "ok": o.ok,
+            "pod": o.pod, "prompt_tokens": o.prompt_tokens, "cached_tokens": o.cached_tokens,
+            "chain": r.chain, "block_tokens": block_tokens});
+        writeln!(f, "{line}")?;
+    }
+    f.flush()?;
+    Ok(())
 }
 
 /// Of the served requests that continue a session (not its first), how many a router
@@ -462,6 +506,7 @@ pub async fn run(o: &Opts) -> anyhow::Result<Value> {
             gws.iter().map(|_| vec![]).collect();
         let mut turns: Vec<(u64, u64)> = vec![(0, 0); gws.len()];
         let sessions = l.sessions();
+        let reqs = l.requests();
         for round in 0..o.rounds {
             for k in 0..gws.len() {
                 let gi = (k + round) % gws.len();
@@ -471,6 +516,9 @@ pub async fn run(o: &Opts) -> anyhow::Result<Value> {
                 let t = Instant::now();
                 let outcomes = l.run(&g.bases, seed, o).await;
                 let cpu = cpu_of(&g.pids) - cpu0;
+                if let Some(dir) = &o.dump {
+                    dump_outcomes(dir, name, &g.label, round, o.block_text, &reqs, &outcomes)?;
+                }
                 let (moved, returning) = moved_turns(&outcomes, &sessions);
                 turns[gi].0 += moved;
                 turns[gi].1 += returning;

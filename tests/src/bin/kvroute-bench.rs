@@ -194,6 +194,18 @@ enum Cmd {
         /// JSON object merged into the sidecar's policy config, e.g. '{"eviction_weight": 2}'.
         #[arg(long)]
         policy: Option<String>,
+        /// Write every trace request's outcome here, one JSON line each, per workload and
+        /// gateway (`<workload>.jsonl`): when it was sent, the pod that served it, its hits
+        /// and its trace chain, to replay a router's choices offline.
+        #[arg(long)]
+        dump: Option<std::path::PathBuf>,
+    },
+    /// Whether the simulator's imitations decide as the real routers did: replays a
+    /// `peers --dump` file's smg and vllm-router requests through them.
+    Imitate {
+        /// A `peers --dump` file (`<dir>/<workload>.jsonl`).
+        #[arg(long)]
+        dump: std::path::PathBuf,
     },
     /// Replay a Mooncake-format trace through the index (and the radix baseline).
     Trace {
@@ -328,6 +340,7 @@ fn main() -> anyhow::Result<()> {
             chat_users,
             overhead_requests,
             policy,
+            dump,
         } => runtime()?.block_on(bench::peers::run(&bench::peers::Opts {
             // `none`: only the added-latency measurement.
             workloads: workloads.into_iter().filter(|w| w != "none").collect(),
@@ -344,6 +357,7 @@ fn main() -> anyhow::Result<()> {
                 Some(Ok(serde_json::Value::Object(m))) => m,
                 Some(_) => anyhow::bail!("--policy takes a JSON object"),
             },
+            dump,
         }))?,
         Cmd::Route {
             clients,
@@ -516,6 +530,51 @@ fn main() -> anyhow::Result<()> {
                 println!("{}", r.json());
             }
             last.last().map(|r| r.json()).unwrap_or_default()
+        }
+        Cmd::Imitate { dump } => {
+            let text = std::fs::read_to_string(&dump)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", dump.display()))?;
+            let rows = text
+                .lines()
+                .enumerate()
+                .map(|(i, l)| {
+                    serde_json::from_str::<kvroute_tests::sim::Dumped>(l)
+                        .map_err(|e| anyhow::anyhow!("{} line {}: {e}", dump.display(), i + 1))
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            let runs = kvroute_tests::sim::replay_dump(&rows);
+            anyhow::ensure!(
+                !runs.is_empty(),
+                "no smg or vllm-router run in {}",
+                dump.display()
+            );
+            println!(
+                "{:<24} {:>5} {:>9} {:>8} {:>12}  by case (agreed up to ties)",
+                "gateway", "round", "decisions", "same pod", "up to ties"
+            );
+            let mut out = Vec::new();
+            for (g, round, a) in &runs {
+                let pct = |n: u64| 100.0 * n as f64 / a.decisions.max(1) as f64;
+                let cases: Vec<String> = a
+                    .by_case
+                    .iter()
+                    .map(|(c, (n, ok))| format!("{c} {ok}/{n}"))
+                    .collect();
+                println!(
+                    "{g:<24} {:>5} {:>9} {:>7.1}% {:>11.1}%  {}",
+                    round + 1,
+                    a.decisions,
+                    pct(a.agreed),
+                    pct(a.within_ties),
+                    cases.join(", ")
+                );
+                out.push(serde_json::json!({"gateway": g, "round": round + 1,
+                    "decisions": a.decisions, "agreed": a.agreed, "within_ties": a.within_ties,
+                    "failed": a.failed,
+                    "by_case": a.by_case.iter().map(|(c, (n, ok))| (c.to_string(), serde_json::json!([n, ok])))
+                        .collect::<serde_json::Map<_, _>>()}));
+            }
+            serde_json::Value::Array(out)
         }
         Cmd::Trace {
             file,

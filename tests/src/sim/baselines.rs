@@ -9,7 +9,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use kvroute_shared::protocol::{PolicyConfig, RouteRequest};
-use kvroute_sidecar::policy::{self, Ask, Candidate, Ranking};
+use kvroute_sidecar::policy::{self, Ask, Candidate, LoadView, Ranking};
 use kvroute_sidecar::{PolicySelector, Selector};
 
 use crate::bench::Rng;
@@ -323,13 +323,15 @@ impl Selector for Dynamo {
 /// as it is in front of vLLM.
 ///
 /// With `vllm_router`, vLLM's router (`vllm-router` 0.1.17, `cache_aware`, a fork of the
-/// same lineage), as its `--help` and source describe it: the fleet is *imbalanced* when
-/// the busiest and the idlest worker's requests in flight differ by more than
-/// `--balance-abs-threshold` (64) and the busiest has more than
+/// same lineage), as its `--help` describes it and its live choices show: the fleet is
+/// *imbalanced* when the busiest and the idlest worker's requests in flight differ by
+/// more than `--balance-abs-threshold` (64) and the busiest has more than
 /// `--balance-rel-threshold` (1.5) times the idlest's; then the fewest in flight wins,
 /// whatever the tree says. Otherwise a match of more than `--cache-threshold` (0.3) goes
-/// to the deepest match, and a shorter one to the worker whose tree is smallest (the
-/// most cache to spare), not the least loaded. Its trees are bounded per worker
+/// to the deepest match, and a shorter one to the fewest in flight (first of equals).
+/// (Its source reads as if a new prompt went to the worker whose tree is smallest; replayed
+/// against a live run, that rule named its pod for 34 of 89 new prompts, the fewest in
+/// flight for 87: `kvroute-bench imitate`.) Its trees are bounded per worker
 /// (`--max-tree-size`, 32 Mi characters, trimmed every 120 s); the imitation bounds
 /// the one tree by the workers' sum, which no workload here reaches.
 #[derive(Default)]
@@ -340,8 +342,6 @@ struct Sglang {
     /// `(block, pod, stamp)` in routing order: least recently routed first.
     lru: VecDeque<(u64, u64, u64)>,
     entries: usize,
-    /// Entries per pod (the size of its part of the tree).
-    per_pod: HashMap<u64, usize>,
     clock: u64,
     vllm_router: bool,
 }
@@ -375,7 +375,6 @@ impl Sglang {
                 None => {
                     pods.push((pod, stamp));
                     self.entries += 1;
-                    *self.per_pod.entry(pod).or_default() += 1;
                 }
             }
             self.lru.push_back((b, pod, stamp));
@@ -389,9 +388,6 @@ impl Sglang {
                 if let Some(i) = pods.iter().position(|e| *e == (p, st)) {
                     pods.swap_remove(i);
                     self.entries -= 1;
-                    if let Some(n) = self.per_pod.get_mut(&p) {
-                        *n = n.saturating_sub(1);
-                    }
                     if pods.is_empty() {
                         self.tree.remove(&b);
                     }
@@ -407,15 +403,23 @@ impl Sglang {
     }
 }
 
-impl Selector for Sglang {
-    fn select(
-        &mut self,
-        _: &PolicyConfig,
-        ask: &Ask,
-        req: &RouteRequest,
-        c: &[Candidate],
-    ) -> Option<Ranking> {
-        let least = (0..c.len()).min_by_key(|&k| c[k].load.inflight)?;
+/// One decision of an imitated router, before it records the routing: the pod it picks
+/// (a candidate index), every pod its rule ranks level with that one (its tie-break
+/// is the router's detail, not its policy), and which branch of the rule decided.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decision {
+    pub pick: usize,
+    pub equals: Vec<usize>,
+    pub case: &'static str,
+}
+
+impl Sglang {
+    /// The rule described on [`Sglang`], read-only: the same request against the same
+    /// state decides the same.
+    fn decide(&self, ask: &Ask, req: &RouteRequest, c: &[Candidate]) -> Option<Decision> {
+        let inflight = |k: usize| c[k].load.inflight;
+        let fewest = (0..c.len()).map(inflight).min()?;
+        let least: Vec<usize> = (0..c.len()).filter(|&k| inflight(k) == fewest).collect();
         let (depth, pods) = self.deepest(&req.chain);
         let tenant = pods.and_then(|v| {
             v.iter()
@@ -424,74 +428,129 @@ impl Selector for Sglang {
                 .map(|(_, k)| k)
         });
         let rate = depth as f64 / ask.prompt_blocks.max(1) as f64;
+        let only = |k: usize, case| Decision {
+            pick: k,
+            equals: vec![k],
+            case,
+        };
+        let first_of = |equals: Vec<usize>, case| Decision {
+            pick: equals[0],
+            equals,
+            case,
+        };
         if self.vllm_router {
-            let load = |k: usize| c[k].load.inflight as f64;
+            let load = |k: usize| inflight(k) as f64;
             let (lo, hi) = (0..c.len()).fold((f64::INFINITY, 0.0f64), |(lo, hi), k| {
                 (lo.min(load(k)), hi.max(load(k)))
             });
-            let smallest = (0..c.len())
-                .min_by_key(|&k| self.per_pod.get(&c[k].key).copied().unwrap_or(0))
-                .unwrap_or(least);
-            let pick = match tenant {
-                _ if hi - lo > 64.0 && hi > 1.5 * lo => least,
-                Some(k) if rate > 0.3 => k,
-                _ => smallest,
-            };
-            let max_entries =
-                c.len() * VLLM_ROUTER_MAX_TREE_CHARS / (4 * ask.block_size.max(1) as usize);
-            self.insert(&req.chain, c[pick].key, max_entries);
-            return chose(pick);
+            return Some(match tenant {
+                _ if hi - lo > 64.0 && hi > 1.5 * lo => first_of(least, "imbalanced"),
+                Some(k) if rate > 0.3 => only(k, "match"),
+                _ => first_of(least, "new"),
+            });
         }
-        let pick = match tenant {
+        Some(match tenant {
             Some(k) if rate > 0.3 => {
                 let mean = c.iter().map(|x| x.load.inflight as f64).sum::<f64>() / c.len() as f64;
                 let margin = (2.0 * mean.sqrt()).clamp(4.0, 64.0);
-                let load = c[k].load.inflight as f64;
+                let load = inflight(k) as f64;
                 if load > mean + margin && load > 1.5 * mean {
-                    least
+                    first_of(least, "spill")
                 } else {
-                    k
+                    only(k, "match")
                 }
             }
-            _ => least,
-        };
-        let max_entries = SMG_MAX_TREE_CHARS / (4 * ask.block_size.max(1) as usize);
-        self.insert(&req.chain, c[pick].key, max_entries);
-        chose(pick)
+            _ => first_of(least, "new"),
+        })
     }
+
+    /// Records that `chain` was routed to the pod `key` (of `pods`), trimming the tree
+    /// to the router's bound (its characters as blocks of `block_size` tokens, 4
+    /// characters a token).
+    fn record(&mut self, chain: &[u64], key: u64, block_size: u32, pods: usize) {
+        let chars = if self.vllm_router {
+            // One tree per worker in that router; the imitation bounds the one tree by
+            // the workers' sum.
+            pods * VLLM_ROUTER_MAX_TREE_CHARS
+        } else {
+            SMG_MAX_TREE_CHARS
+        };
+        self.insert(chain, key, chars / (4 * block_size.max(1) as usize));
+    }
+}
+
+impl Selector for Sglang {
+    fn select(
+        &mut self,
+        _: &PolicyConfig,
+        ask: &Ask,
+        req: &RouteRequest,
+        c: &[Candidate],
+    ) -> Option<Ranking> {
+        let d = self.decide(ask, req, c)?;
+        self.record(&req.chain, c[d.pick].key, ask.block_size, c.len());
+        chose(d.pick)
+    }
+}
+
+/// An imitated router driven from outside the simulator: [`Imitation::decide`] asks its
+/// rule, [`Imitation::record`] tells it what was really routed (so a replay of a real
+/// router's choices keeps the imitation's state where the real router's was).
+pub struct Imitation(Sglang);
+
+impl Imitation {
+    /// `sglang` or `vllm-router`.
+    pub fn of(policy: Policy) -> Option<Imitation> {
+        match policy {
+            Policy::Sglang => Some(Imitation(Sglang::default())),
+            Policy::VllmRouter => Some(Imitation(Sglang {
+                vllm_router: true,
+                ..Sglang::default()
+            })),
+            _ => None,
+        }
+    }
+
+    pub fn decide(&self, ask: &Ask, req: &RouteRequest, c: &[Candidate]) -> Option<Decision> {
+        self.0.decide(ask, req, c)
+    }
+
+    pub fn record(&mut self, chain: &[u64], key: u64, block_size: u32, pods: usize) {
+        self.0.record(chain, key, block_size, pods)
+    }
+}
+
+/// Candidates that differ only in their requests in flight (all these routers read; what
+/// the engines hold plays no part: they never hear of it).
+pub(super) fn candidates(inflight: &[u32]) -> Vec<Candidate> {
+    inflight
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| Candidate {
+            index: i,
+            key: 100 + i as u64,
+            matched: 0,
+            predicted: 0,
+            in_flight: 0,
+            prefilling: 0,
+            tiers: None,
+            stale: false,
+            load: LoadView {
+                inflight: n,
+                ..LoadView::default()
+            },
+            bound: 0.0,
+            pinned: false,
+            pressure: 0.0,
+            peer_home: false,
+        })
+        .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use kvroute_shared::Mode;
-    use kvroute_sidecar::policy::LoadView;
-
-    fn cands(inflight: &[u32]) -> Vec<Candidate> {
-        inflight
-            .iter()
-            .enumerate()
-            .map(|(i, &n)| Candidate {
-                index: i,
-                key: 100 + i as u64,
-                // What the engines hold plays no part: smg never hears of it.
-                matched: 0,
-                predicted: 0,
-                in_flight: 0,
-                prefilling: 0,
-                tiers: None,
-                stale: false,
-                load: LoadView {
-                    inflight: n,
-                    ..LoadView::default()
-                },
-                bound: 0.0,
-                pinned: false,
-                pressure: 0.0,
-                peer_home: false,
-            })
-            .collect()
-    }
 
     fn req(chain: Vec<u64>) -> RouteRequest {
         RouteRequest {
@@ -518,7 +577,7 @@ mod tests {
             &PolicyConfig::default(),
             &ask(chain.len()),
             &req(chain.to_vec()),
-            &cands(inflight),
+            &candidates(inflight),
         )
         .expect("a pick")
         .chosen()
@@ -541,23 +600,21 @@ mod tests {
     }
 
     #[test]
-    fn the_vllm_router_imitation_balances_only_a_lopsided_fleet_and_fills_small_trees() {
+    fn the_vllm_router_imitation_balances_only_a_lopsided_fleet() {
         let mut s = Sglang {
             vllm_router: true,
             ..Sglang::default()
         };
-        // A new prompt goes to the smallest tree (all empty: the first), busy or not.
-        assert_eq!(pick(&mut s, &[1, 2, 3, 4], &[3, 1, 2, 5]), 0);
-        // The next new prompt: pod 0's tree holds 4 blocks, the others none.
-        assert_eq!(pick(&mut s, &[10, 20, 30], &[0, 9, 9, 9]), 1);
+        // A new prompt goes to the fewest in flight (first of equals).
+        assert_eq!(pick(&mut s, &[1, 2, 3, 4], &[3, 1, 2, 1]), 1);
         // A follow-up stays on its prompt's pod while the fleet is balanced enough: 70
-        // in flight against 10 is not 64 more, so it stays busy or not ...
-        assert_eq!(pick(&mut s, &[1, 2, 3, 4, 5], &[70, 10, 20, 30]), 0);
+        // in flight against 10 is not 64 more, so it stays, busy or not ...
+        assert_eq!(pick(&mut s, &[1, 2, 3, 4, 5], &[10, 70, 20, 30]), 1);
         // ... 80 against 10 is, and 1.5× too: the fewest in flight.
-        assert_eq!(pick(&mut s, &[1, 2, 3, 4, 5], &[80, 10, 20, 30]), 1);
-        // 60 against 0: within the absolute margin, it follows the tree (pod 1 routed
-        // [1..5] last).
-        assert_eq!(pick(&mut s, &[1, 2, 3, 4, 5, 6], &[0, 60, 0, 0]), 1);
+        assert_eq!(pick(&mut s, &[1, 2, 3, 4, 5], &[10, 80, 20, 30]), 0);
+        // 60 against 0: within the absolute margin, it follows the tree (pod 0 routed
+        // [1..5] last), where smg would spill (60 is past its margin over a mean of 15).
+        assert_eq!(pick(&mut s, &[1, 2, 3, 4, 5, 6], &[60, 0, 0, 0]), 0);
     }
 
     #[test]

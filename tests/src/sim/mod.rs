@@ -19,6 +19,7 @@
 //! admission queue's state after each change (the service sends it within 20 ms of one).
 
 mod baselines;
+mod fidelity;
 mod report;
 mod workloads;
 
@@ -44,7 +45,8 @@ use crate::cache::BlockCache;
 use crate::engine::CostModel;
 use crate::workload::Request;
 
-pub use baselines::Policy;
+pub use baselines::{Decision, Imitation, Policy};
+pub use fidelity::{imitated, replay, replay_dump, Agreement, Dumped};
 pub use report::{
     by_policy, compare, infinite_cache_bound, seed_table, session_balance, summarize_seeds,
     svg_bars, Bound, SeedSummary, SessionBalance,
