@@ -244,6 +244,15 @@ fn moved_turns(outcomes: &[demo::Outcome], sessions: &[Option<u64>]) -> (u64, u6
     (moved, returning)
 }
 
+/// A trace workload's requests (`mooncake`, `agentic`) as `peers` replays them, in the
+/// order of its outcomes and of `--dump`'s `i`: what a recorded run is replayed against.
+pub fn trace_requests(name: &str, o: &Opts) -> anyhow::Result<Vec<workload::Request>> {
+    match load(name, o)? {
+        Load::Trace(reqs, secs) => Ok(replayed(&reqs, secs).cloned().collect()),
+        Load::Chat(_) => anyhow::bail!("{name} is not a trace workload"),
+    }
+}
+
 fn load(name: &str, o: &Opts) -> anyhow::Result<Load> {
     Ok(match name {
         "chat" => Load::Chat(ChatLoad {

@@ -22,15 +22,21 @@ use serde::Deserialize;
 use super::baselines::candidates;
 use super::{Imitation, Policy};
 
-/// One line of a `peers --dump` file (fields it does not need are ignored).
+/// One line of a `peers --dump` file (fields it does not need are ignored). A recording
+/// kept without chains (`tests/data/peers/`) has them filled in from its trace by `i`
+/// ([`with_chains`]).
 #[derive(Clone, Debug, Deserialize)]
 pub struct Dumped {
     pub gateway: String,
     pub round: usize,
+    /// The request's place in the trace as replayed (`bench::peers::trace_requests`).
+    #[serde(default)]
+    pub i: usize,
     pub sent_ms: f64,
     pub e2e_ms: f64,
     pub ok: bool,
     pub pod: String,
+    #[serde(default)]
     pub chain: Vec<u64>,
     /// Tokens of text a trace block became (the tree's bound is in characters).
     #[serde(default = "default_block_tokens")]
@@ -39,6 +45,19 @@ pub struct Dumped {
 
 fn default_block_tokens() -> u32 {
     64
+}
+
+/// Rows whose chain was left out get their trace request's (`reqs[i]`); a row whose `i`
+/// is past the trace is an error, not a silent empty prompt.
+pub fn with_chains(rows: &mut [Dumped], reqs: &[crate::workload::Request]) -> anyhow::Result<()> {
+    for r in rows.iter_mut().filter(|r| r.chain.is_empty()) {
+        r.chain = reqs
+            .get(r.i)
+            .ok_or_else(|| anyhow::anyhow!("request {} is past the trace's {}", r.i, reqs.len()))?
+            .chain
+            .clone();
+    }
+    Ok(())
 }
 
 /// One gateway's run replayed through an imitation.
@@ -143,6 +162,7 @@ mod tests {
             sent_ms: sent,
             e2e_ms: e2e,
             ok: true,
+            i: 0,
             pod: pod.into(),
             chain: chain.to_vec(),
             block_tokens: 64,
@@ -223,5 +243,25 @@ mod tests {
             ..row(0.0, 1.0, "a", &[1])
         }])
         .is_empty());
+    }
+
+    #[test]
+    fn a_recording_without_chains_takes_them_from_its_trace_by_place() {
+        let req = |chain: Vec<u64>| crate::workload::Request {
+            ts_ms: 0.0,
+            input_tokens: 0,
+            output_tokens: 0,
+            chain,
+            session: None,
+        };
+        let trace = [req(vec![1, 2]), req(vec![1, 2, 3])];
+        let mut rows = [row(0.0, 1.0, "a", &[]), row(1.0, 1.0, "a", &[9])];
+        rows[0].i = 1;
+        with_chains(&mut rows, &trace).expect("in the trace");
+        assert_eq!(rows[0].chain, vec![1, 2, 3]);
+        assert_eq!(rows[1].chain, vec![9], "a recorded chain is kept");
+        let mut past = [row(0.0, 1.0, "a", &[])];
+        past[0].i = 2;
+        assert!(with_chains(&mut past, &trace).is_err());
     }
 }

@@ -46,7 +46,7 @@ use crate::engine::CostModel;
 use crate::workload::Request;
 
 pub use baselines::{Decision, Imitation, Policy};
-pub use fidelity::{imitated, replay, replay_dump, Agreement, Dumped};
+pub use fidelity::{imitated, replay, replay_dump, with_chains, Agreement, Dumped};
 pub use report::{
     by_policy, compare, infinite_cache_bound, seed_table, session_balance, summarize_seeds,
     svg_bars, Bound, SeedSummary, SessionBalance,
