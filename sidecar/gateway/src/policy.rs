@@ -135,8 +135,8 @@ pub struct Candidate {
     pub peer_home: bool,
 }
 
-/// The request's side of the decision.
-#[derive(Clone, Copy, Debug)]
+/// The request's side of the decision (the default: no prompt, every option off).
+#[derive(Clone, Copy, Debug, Default)]
 pub struct Ask {
     /// Blocks of the whole prompt (full and partial).
     pub prompt_blocks: u32,

@@ -563,12 +563,7 @@ mod tests {
         Ask {
             prompt_blocks: blocks as u32,
             block_size: 64,
-            tie_key: 0,
-            seed: 0,
-            load_only: false,
-            gated: false,
-            spread_ties: false,
-            pressure_from_returns: false,
+            ..Ask::default()
         }
     }
 

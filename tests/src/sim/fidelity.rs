@@ -104,12 +104,7 @@ pub fn replay(rows: &[Dumped], policy: Policy) -> Option<Agreement> {
         let ask = Ask {
             prompt_blocks: u32::try_from(r.chain.len()).unwrap_or(u32::MAX),
             block_size: r.block_tokens,
-            tie_key: 0,
-            seed: 0,
-            load_only: false,
-            gated: false,
-            spread_ties: false,
-            pressure_from_returns: false,
+            ..Ask::default()
         };
         let req = RouteRequest {
             mode: Mode::Text,

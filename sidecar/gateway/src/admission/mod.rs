@@ -207,12 +207,7 @@ mod tests {
         Ask {
             prompt_blocks,
             block_size: 16,
-            tie_key: 0,
-            seed: 0,
-            load_only: false,
-            gated: false,
-            spread_ties: false,
-            pressure_from_returns: false,
+            ..Ask::default()
         }
     }
 
