@@ -230,6 +230,75 @@ fn pieces() -> impl Strategy<Value = String> {
     proptest::collection::vec(piece, 0..24).prop_map(|v| v.concat())
 }
 
+/// Lines of every kind a long prompt has, joined by every kind of line break.
+fn long_prompt() -> impl Strategy<Value = String> {
+    let line = prop_oneof![
+        "[a-zA-Z ,.]{0,60}",
+        "    [a-z_]{1,8}\\([a-z, ]{0,12}\\);",
+        "[\\u{4e00}-\\u{4e40}\\u{3040}-\\u{3060}]{1,12}",
+        "[0-9]{1,9}",
+        "[-*#>]{1,3} [a-zA-Z]{1,10}",
+        "[!-/:-@]{1,4}[a-zA-Z]{0,6}",
+        Just("<|im_start|>user".to_string()),
+        Just("<｜User｜>".to_string()),
+        Just(" 🙂🚀 ".to_string()),
+        Just("\u{1c}\u{85}\u{3000}\u{2028}\u{0b}x".to_string()),
+        Just("\u{0301}e\u{0301}".to_string()),
+    ];
+    let brk = prop_oneof![
+        Just("\n"),
+        Just("\r\n"),
+        Just("\n\n"),
+        Just(" \n"),
+        Just("\n\t"),
+        Just("\n "),
+    ];
+    proptest::collection::vec((line, brk), 20..120).prop_map(|v| {
+        let mut s = String::new();
+        // Long enough for several chunks of at least 1 KB.
+        while s.len() < 4096 {
+            for (l, b) in &v {
+                s.push_str(l);
+                s.push_str(b);
+            }
+        }
+        s
+    })
+}
+
+proptest! {
+    // Each case encodes some 40 KB whole, five tokenizers over.
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// Long completions prompts are encoded in chunks cut at newlines (`tokenize/chunks.rs`)
+    /// wherever the tokenizer allows it: every chunked encoding, and that of the prompt
+    /// extended by more lines (its common chunks then from the cache), is the whole
+    /// text's with special tokens added.
+    #[test]
+    fn long_prompts_encode_in_chunks_exactly_as_the_whole(text in long_prompt(), more in long_prompt()) {
+        static TOKS: OnceLock<Vec<(String, ModelTokenizer)>> = OnceLock::new();
+        let toks = TOKS.get_or_init(|| {
+            fixtures()
+                .dirs
+                .iter()
+                .map(|(n, d, _)| (n.clone(), ModelTokenizer::load(d, 1 << 22).expect("load")))
+                .collect()
+        });
+        for (name, t) in toks {
+            // Byte-level BPE with a regex pre-tokenizer is chunked; the Unigram one is not.
+            prop_assert_eq!(t.chunk_stats().is_some(), name.starts_with("deepseek"), "{}", name);
+            let Some(chunked) = t.encode_prompt_chunks(&text) else { continue };
+            prop_assert_eq!(chunked.expect("chunks"), t.encode_whole(&text, true).expect("whole"), "{:?}", text);
+            let longer = format!("{text}{more}");
+            let chunked = t.encode_prompt_chunks(&longer).expect("chunked").expect("chunks");
+            prop_assert_eq!(chunked, t.encode_whole(&longer, true).expect("whole"), "{:?}", longer);
+            // The checked path agrees too, and has never found a difference.
+            prop_assert_eq!(t.encode_prompt(&longer).expect("prompt"), t.encode_whole(&longer, true).expect("whole"));
+            prop_assert_eq!(t.chunk_stats().map(|s| s.mismatches), Some(0));
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(400))]
 

@@ -87,7 +87,8 @@ pub fn snapshot(sc: &Sidecar) -> Value {
         v["text_block_bytes"] = json!(mc.text_block_bytes);
         v["tokenizer"] = toks.get(name).map_or(Value::Null, |t| {
             json!({"dir": t.dir(), "chat_template": t.has_template(), "template": t.template_id().map(|t| &**t),
-                   "segment_cache": t.caches_segments(), "cache": t.cache_stats()})
+                   "segment_cache": t.caches_segments(), "cache": t.cache_stats(),
+                   "prompt_chunks": t.chunk_stats()})
         });
     }
 

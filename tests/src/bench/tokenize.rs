@@ -370,6 +370,39 @@ pub fn run(o: &Opts) -> anyhow::Result<Value> {
         chist50 as f64 / 1e3,
     );
 
+    // 2d. A completions prompt that extends one routed before (an agent's next turn sent
+    // as text): ~50 KB of history, 2.5 KB new. Cut into chunks at newlines, its text_history
+    // comes from the cache; without chunking it is encoded whole.
+    let mut text_history = String::new();
+    while text_history.len() < 50 * 1024 {
+        text_history.push_str(&prose(&mut rng, 700));
+        text_history.push('\n');
+    }
+    let _ = mt.encode_prompt(&text_history)?;
+    let (mut ptext, mut pwhole, mut pbare) =
+        (Samples::default(), Samples::default(), Samples::default());
+    for _ in 0..n {
+        let new = prose(&mut rng, 2500);
+        let prompt = format!("{text_history}{new}\n");
+        let _ = pbare.time(|| bare.encode_whole(&new, false));
+        let _ = pwhole.time(|| bare.encode_whole(&prompt, true));
+        let r = ptext.time(|| mt.encode_prompt(&prompt));
+        anyhow::ensure!(r.is_ok(), "encode: {r:?}");
+    }
+    let (ptext50, pwhole50, pbare50) = (ptext.pct(50.0), pwhole.pct(50.0), pbare.pct(50.0));
+    let chunks = mt.chunk_stats();
+    println!(
+        "  completions prompt extending one seen ({} KB + 2.5 KB new): p50 {:.0} us ({}); whole {:.0} us; bare encode of the new text {:.0} us ({:.2}x)",
+        text_history.len() / 1024,
+        ptext50 as f64 / 1e3,
+        chunks.as_ref().map_or("encoded whole: this tokenizer is not chunked".to_string(), |c| format!(
+            "chunked; {} of {} checked against the whole, {} differed", c.verified, c.chunked, c.mismatches
+        )),
+        pwhole50 as f64 / 1e3,
+        pbare50 as f64 / 1e3,
+        ptext50 as f64 / pbare50.max(1) as f64,
+    );
+
     // 3. A cold prompt of ~128k tokens (completions: encoded whole, special tokens added).
     let big = prose(&mut rng, 128 * 1024 * 4);
     let t0 = Instant::now();
@@ -402,7 +435,9 @@ pub fn run(o: &Opts) -> anyhow::Result<Value> {
         "dir": dir, "iterations": n,
         "cold_4k_chat_p50_us": cold50 as f64 / 1e3, "bare_encode_4k_p50_us": bare4_50 as f64 / 1e3,
         "cold_4k_ratio": cold50 as f64 / bare4_50.max(1) as f64,
-        "turn21_p50_us": turn50 as f64 / 1e3, "bare_encode_1k_p50_us": bare1_50 as f64 / 1e3,
+        "turn21_p50_us": turn50 as f64 / 1e3,
+        "prompt_extended_p50_us": ptext50 as f64 / 1e3, "prompt_whole_p50_us": pwhole50 as f64 / 1e3,
+        "prompt_new_bare_p50_us": pbare50 as f64 / 1e3, "bare_encode_1k_p50_us": bare1_50 as f64 / 1e3,
         "turn21_ratio": turn50 as f64 / bare1_50.max(1) as f64,
         "messages_turn21_p50_us": mturn50 as f64 / 1e3,
         "messages_turn21_ratio": mturn50 as f64 / mbare50.max(1) as f64,

@@ -31,6 +31,7 @@ mod agent;
 mod budget;
 mod cache;
 mod chat;
+mod chunks;
 mod conversation;
 mod error;
 mod filters;
@@ -50,6 +51,7 @@ use serde_json::Value;
 
 pub use budget::{Budget, Refused, DEFAULT_BUDGET_BYTES, MAX_FIELDS_BYTES};
 pub use cache::{CacheStats, SegmentCache};
+pub use chunks::ChunkStats;
 pub use conversation::ContentFormat;
 pub use error::TokenizeError;
 
@@ -65,6 +67,8 @@ struct Splitter {
     normalized: Option<(AhoCorasick, Vec<u32>)>,
     /// A special token to put in front of a piece that does not start the text.
     lead: (String, u32),
+    /// Whether the pre-tokenizer allows cutting long prompts at newlines (`chunks.rs`).
+    chunkable: bool,
 }
 
 pub struct ModelTokenizer {
@@ -77,6 +81,8 @@ pub struct ModelTokenizer {
     specials: HashMap<&'static str, String>,
     splitter: Option<Splitter>,
     cache: SegmentCache,
+    /// Long completions prompts in cached chunks (`chunks.rs`), where the tokenizer allows.
+    chunking: Option<chunks::Chunking>,
     /// vLLM's probes of the template for Messages requests (`agent.rs`), once each.
     merge_inline_system: std::sync::OnceLock<bool>,
     disabled_effort: std::sync::OnceLock<&'static str>,
@@ -151,7 +157,7 @@ impl ModelTokenizer {
             .filter_map(|n| token_string(&cfg[*n]).map(|s| (*n, s)))
             .collect();
         let splitter = Self::splitter(&tj)?;
-        Ok(ModelTokenizer {
+        let mut t = ModelTokenizer {
             dir: dir.to_owned(),
             tok,
             env,
@@ -159,10 +165,30 @@ impl ModelTokenizer {
             specials,
             splitter,
             cache: SegmentCache::new(cache_bytes),
+            chunking: None,
             merge_inline_system: std::sync::OnceLock::new(),
             disabled_effort: std::sync::OnceLock::new(),
             content_format,
-        })
+        };
+        t.chunking = t.chunking_checked();
+        Ok(t)
+    }
+
+    /// Chunking, if the tokenizer allows it and a sample encodes alike both ways (with
+    /// its own segment cache, so the check leaves nothing in the shared one).
+    fn chunking_checked(&self) -> Option<chunks::Chunking> {
+        let sp = self.splitter.as_ref().filter(|sp| sp.chunkable)?;
+        let probe = "a b";
+        let affix = chunks::Affix::between(
+            &self.encode_whole(probe, true).ok()?,
+            &self.encode_whole(probe, false).ok()?,
+        )?;
+        let sample = chunks::sample();
+        let scratch = SegmentCache::new(16 << 20);
+        let chunked = self
+            .encode_chunks(sp, &scratch, &affix, &sample, 256)
+            .ok()?;
+        (chunked == self.encode_whole(&sample, true).ok()?).then(|| chunks::Chunking::new(affix))
     }
 
     /// The added tokens as the tokenizer splits on them, when pieces can be encoded
@@ -189,6 +215,8 @@ impl ModelTokenizer {
             added_tokens: Vec<Added>,
             #[serde(default)]
             normalizer: Value,
+            #[serde(default)]
+            pre_tokenizer: Value,
         }
         let f: File = serde_json::from_slice(&std::fs::read(tj).map_err(|e| load_err(tj, e))?)
             .map_err(|e| load_err(tj, e))?;
@@ -229,6 +257,7 @@ impl ModelTokenizer {
             raw_ids,
             normalized,
             lead,
+            chunkable: chunks::pre_tokenizer_ok(&f.pre_tokenizer),
         }))
     }
 
@@ -265,6 +294,11 @@ impl ModelTokenizer {
 
     pub fn cache_stats(&self) -> CacheStats {
         self.cache.stats()
+    }
+
+    /// Chunked completions prompts (None: this tokenizer encodes them whole).
+    pub fn chunk_stats(&self) -> Option<ChunkStats> {
+        self.chunking.as_ref().map(chunks::Chunking::stats)
     }
 
     /// The token ids of a request body: chat (rendered, then encoded without added
@@ -348,7 +382,7 @@ impl ModelTokenizer {
             _ => prompt,
         };
         match first.as_str() {
-            Some(p) => self.encode(p, true),
+            Some(p) => self.encode_prompt(p),
             None => Err(TokenizeError::BadRequest(
                 "a completions body needs a string `prompt`".into(),
             )),
@@ -362,6 +396,70 @@ impl ModelTokenizer {
             (Some(sp), false) => self.encode_pieces(sp, text),
             _ => self.encode_whole(text, add_special_tokens),
         }
+    }
+
+    /// A completions prompt, encoded with special tokens as the engine does: a long one
+    /// in chunks from the cache where the tokenizer allows (`chunks.rs`), every
+    /// [`chunks::VERIFY_EVERY`]-th of those checked against the whole.
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        let (Some(sp), Some(ch)) = (&self.splitter, &self.chunking) else {
+            return self.encode_whole(text, true);
+        };
+        if !ch.on() || text.len() < chunks::MIN_CHUNKED_BYTES {
+            return self.encode_whole(text, true);
+        }
+        let check = ch.count();
+        let ids = self.encode_chunks(sp, &self.cache, &ch.affix, text, chunks::MIN_CHUNK_BYTES)?;
+        if !check {
+            return Ok(ids);
+        }
+        let whole = self.encode_whole(text, true)?;
+        ch.checked(ids == whole);
+        if ids != whole {
+            tracing::warn!(
+                tokenizer = %self.dir.display(),
+                "a chunked prompt encoded differently from the whole: chunking turned off"
+            );
+        }
+        Ok(whole)
+    }
+
+    /// The chunked encoding of a completions prompt itself, unchecked and whatever its
+    /// length (None: this tokenizer encodes prompts whole): what the fidelity tests hold
+    /// to [`ModelTokenizer::encode_whole`].
+    pub fn encode_prompt_chunks(&self, text: &str) -> Option<Result<Vec<u32>, TokenizeError>> {
+        let (sp, ch) = (self.splitter.as_ref()?, self.chunking.as_ref()?);
+        Some(self.encode_chunks(sp, &self.cache, &ch.affix, text, chunks::MIN_CHUNK_BYTES))
+    }
+
+    /// `affix` around the text's pieces between added tokens, each cut into chunks of
+    /// at least `min` bytes, each chunk's ids from `cache`.
+    fn encode_chunks(
+        &self,
+        sp: &Splitter,
+        cache: &SegmentCache,
+        affix: &chunks::Affix,
+        text: &str,
+        min: usize,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let mut ids = Vec::with_capacity(text.len() / 3 + affix.prefix.len() + affix.suffix.len());
+        ids.extend_from_slice(&affix.prefix);
+        for piece in split(sp, text) {
+            match piece {
+                Piece::Added(id) => ids.push(id),
+                Piece::Text { text, at_start } => {
+                    for (a, b) in chunks::cuts(text, min) {
+                        let (chunk, first) = (&text[a..b], at_start && a == 0);
+                        let got = cache.get_or_try_insert(chunk, first, || {
+                            self.encode_piece(sp, chunk, first)
+                        })?;
+                        ids.extend_from_slice(&got);
+                    }
+                }
+            }
+        }
+        ids.extend_from_slice(&affix.suffix);
+        Ok(ids)
     }
 
     /// The reference: the tokenizer on the whole text, no cache.
