@@ -9,12 +9,13 @@
 //! stored response (`previous_response_id`) keeps its text chain: its prompt begins with
 //! history only the engine that stored it holds, and its binding routes it there.
 //!
-//! Tokenizing costs about a millisecond per 4 KB of new text and holds many times its
-//! input in memory while it runs, and the text is the client's: a body over the largest
-//! field the budget allows, or one arriving while the budget's bytes are all tokenizing,
-//! is routed by its text chain instead (`too_large`, `busy`; `tokenize::Budget`), so a
-//! flood of huge chats can neither turn the sidecar's routing into a CPU queue nor grow
-//! its memory past the budget's bound.
+//! Tokenizing costs about a millisecond per 4 KB of new text (a chat turn's earlier
+//! messages and a long text prompt's earlier chunks come from the segment cache) and
+//! holds many times its input in memory while it runs, and the text is the client's: a
+//! body over the largest field the budget allows, or one arriving while the budget's
+//! bytes are all tokenizing, is routed by its text chain instead (`too_large`, `busy`;
+//! `tokenize::Budget`), so a flood of huge chats can neither turn the sidecar's routing
+//! into a CPU queue nor grow its memory past the budget's bound.
 
 use kvroute_shared::protocol::{PromptApi, PromptBody, RouteRequest};
 use kvroute_shared::{Mode, Namespace};
