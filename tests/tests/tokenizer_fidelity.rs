@@ -230,6 +230,18 @@ fn pieces() -> impl Strategy<Value = String> {
     proptest::collection::vec(piece, 0..24).prop_map(|v| v.concat())
 }
 
+/// Every fixture directory's tokenizer, by name, loaded once for the property tests.
+fn loaded() -> &'static [(String, ModelTokenizer)] {
+    static TOKS: OnceLock<Vec<(String, ModelTokenizer)>> = OnceLock::new();
+    TOKS.get_or_init(|| {
+        fixtures()
+            .dirs
+            .iter()
+            .map(|(n, d, _)| (n.clone(), ModelTokenizer::load(d, 4 << 20).expect("load")))
+            .collect()
+    })
+}
+
 /// Lines of every kind a long prompt has, joined by every kind of line break.
 fn long_prompt() -> impl Strategy<Value = String> {
     let line = prop_oneof![
@@ -276,15 +288,7 @@ proptest! {
     /// text's with special tokens added.
     #[test]
     fn long_prompts_encode_in_chunks_exactly_as_the_whole(text in long_prompt(), more in long_prompt()) {
-        static TOKS: OnceLock<Vec<(String, ModelTokenizer)>> = OnceLock::new();
-        let toks = TOKS.get_or_init(|| {
-            fixtures()
-                .dirs
-                .iter()
-                .map(|(n, d, _)| (n.clone(), ModelTokenizer::load(d, 1 << 22).expect("load")))
-                .collect()
-        });
-        for (name, t) in toks {
+        for (name, t) in loaded() {
             // Byte-level BPE with a regex pre-tokenizer is chunked; the Unigram one is not.
             prop_assert_eq!(t.chunk_stats().is_some(), name.starts_with("deepseek"), "{}", name);
             let Some(chunked) = t.encode_prompt_chunks(&text) else { continue };
@@ -304,15 +308,7 @@ proptest! {
 
     #[test]
     fn pieces_encode_exactly_as_the_whole(texts in proptest::collection::vec(pieces(), 1..4)) {
-        static TOKS: OnceLock<Vec<ModelTokenizer>> = OnceLock::new();
-        let toks = TOKS.get_or_init(|| {
-            fixtures()
-                .dirs
-                .iter()
-                .map(|(_, d, _)| ModelTokenizer::load(d, 1 << 20).expect("load"))
-                .collect()
-        });
-        for t in toks {
+        for (_, t) in loaded() {
             prop_assert!(t.caches_segments());
             for text in &texts {
                 let whole = t.encode_whole(text, false).expect("whole");

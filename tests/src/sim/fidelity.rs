@@ -43,8 +43,9 @@ pub struct Dumped {
     pub block_tokens: u32,
 }
 
+/// What `peers` makes of a trace block unless told otherwise.
 fn default_block_tokens() -> u32 {
-    64
+    crate::bench::peers::Opts::default().block_text
 }
 
 /// Rows whose chain was left out get their trace request's (`reqs[i]`); a row whose `i`
@@ -74,10 +75,11 @@ pub struct Agreement {
 
 /// The imitation of the router a `peers` gateway label names, if the simulator has one.
 pub fn imitated(gateway: &str) -> Option<Policy> {
-    match gateway {
-        "smg cache_aware" => Some(Policy::Sglang),
-        "vllm-router cache_aware" => Some(Policy::VllmRouter),
-        _ => None,
+    use crate::peers::Kind;
+    match Kind::parse(gateway)? {
+        Kind::SmgCacheAware => Some(Policy::Sglang),
+        Kind::VllmCacheAware => Some(Policy::VllmRouter),
+        Kind::SmgPrefixHash | Kind::VllmKvAware => None,
     }
 }
 
