@@ -95,6 +95,48 @@ async fn chats_follow_the_engines_events() {
             .collect::<Vec<_>>()
             .join("\n")
     );
+    // Later turns reuse the pieces earlier ones encoded, and a long completions prompt
+    // (and its extension) is encoded in chunks, the first checked against the whole: all
+    // of it visible to Prometheus per model.
+    let mut text = String::new();
+    for i in 0..60 {
+        text.push_str(&format!(
+            "Line {i} of a long prompt about caches and routers.\n"
+        ));
+    }
+    for prompt in [text.clone(), format!("{text}And one more line.\n")] {
+        let body = PromptBody::extract(
+            kvroute_shared::protocol::PromptApi::Completions,
+            "",
+            json!({ "prompt": prompt }).to_string().as_bytes(),
+        )
+        .expect("fields");
+        let dry = json!({"model": "m", "mode": "text", "block_size": 256, "chain": [],
+                         "dry_run": true, "prompt_body": body});
+        stack.api.post("/v1/route", &dry).await;
+    }
+    let metrics = stack.api.metrics_text().await;
+    let value = |series: &str| -> u64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {series} in:\n{metrics}"))
+    };
+    assert!(value("kvroute_tokenizer_segment_lookups_total{model=\"m\",outcome=\"hit\"}") > 0);
+    assert!(value("kvroute_tokenizer_segment_cache_bytes{model=\"m\"}") > 0);
+    assert_eq!(value("kvroute_tokenizer_prompt_chunking{model=\"m\"}"), 1);
+    assert_eq!(
+        value("kvroute_tokenizer_prompt_chunks_total{model=\"m\",outcome=\"chunked\"}"),
+        2
+    );
+    assert_eq!(
+        value("kvroute_tokenizer_prompt_chunks_total{model=\"m\",outcome=\"verified\"}"),
+        1
+    );
+    assert_eq!(
+        value("kvroute_tokenizer_prompt_chunks_total{model=\"m\",outcome=\"mismatch\"}"),
+        0
+    );
     let decisions = stack.api.get("/v1/decisions?limit=16").await.json;
     let list = decisions["decisions"]
         .as_array()

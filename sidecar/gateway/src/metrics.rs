@@ -89,11 +89,21 @@ struct StateGauges {
     inflight: Gauge,
     /// Requests in the admission queue per model, priority and tenant.
     queued: Family<Vec<(&'static str, String)>, Gauge>,
+    /// Each model tokenizer's segment cache and chunked prompts.
+    segment_bytes: Family<Label, Gauge>,
+    segment_entries: Family<Label, Gauge>,
+    chunking_on: Family<Label, Gauge>,
+    segment_lookups: Family<Vec<(&'static str, String)>, Counter>,
+    segment_evicted: Family<Label, Counter>,
+    prompt_chunks: Family<Vec<(&'static str, String)>, Counter>,
 }
 
 pub struct Metrics {
     registry: Registry,
     state: StateGauges,
+    /// One scrape at a time sets the state series: two clearing and setting them at once
+    /// could add a mirrored count twice.
+    rendering: parking_lot::Mutex<()>,
     pub route_seconds: Histogram,
     /// How long NATS batches waited in their pod's queue before a worker took them.
     pub event_queue_seconds: Histogram,
@@ -220,8 +230,15 @@ impl Default for Metrics {
                 predicted_entries: Gauge::default(),
                 inflight: Gauge::default(),
                 queued: Family::default(),
+                segment_bytes: Family::default(),
+                segment_entries: Family::default(),
+                chunking_on: Family::default(),
+                segment_lookups: Family::default(),
+                segment_evicted: Family::default(),
+                prompt_chunks: Family::default(),
             },
             registry: Registry::default(),
+            rendering: parking_lot::Mutex::new(()),
         };
         let h = |r: &mut Registry, name: &str, help: &str, x: &Histogram| {
             r.register(name, help, x.clone())
@@ -409,6 +426,36 @@ impl Default for Metrics {
             m.state.queued.clone(),
         );
         r.register(
+            "kvroute_tokenizer_segment_cache_bytes",
+            "Bytes a model tokenizer's segment cache accounts (text and ids).",
+            m.state.segment_bytes.clone(),
+        );
+        r.register(
+            "kvroute_tokenizer_segment_cache_entries",
+            "Pieces in a model tokenizer's segment cache.",
+            m.state.segment_entries.clone(),
+        );
+        r.register(
+            "kvroute_tokenizer_segment_lookups",
+            "Segment cache lookups per model, by outcome (hit, miss).",
+            m.state.segment_lookups.clone(),
+        );
+        r.register(
+            "kvroute_tokenizer_segment_evicted",
+            "Pieces evicted from a model tokenizer's segment cache.",
+            m.state.segment_evicted.clone(),
+        );
+        r.register(
+            "kvroute_tokenizer_prompt_chunking",
+            "1 while a model's long completions prompts are encoded in chunks (0: encoded whole, after a check found a difference or the tokenizer does not qualify).",
+            m.state.chunking_on.clone(),
+        );
+        r.register(
+            "kvroute_tokenizer_prompt_chunks",
+            "Completions prompts encoded in chunks per model, by outcome: chunked, verified (also encoded whole to check), mismatch (the check differed; chunking then stops).",
+            m.state.prompt_chunks.clone(),
+        );
+        r.register(
             "kvroute_index_entries",
             "Blocks in the index.",
             m.state.index_entries.clone(),
@@ -459,6 +506,12 @@ pub struct Gauges {
     pub inflight: u64,
     /// (model, priority, tenant, requests) in the admission queues.
     pub queued: Vec<(String, i32, String, usize)>,
+    /// (model, segment cache, chunked prompts when the tokenizer chunks them).
+    pub tokenizers: Vec<(
+        String,
+        crate::tokenize::CacheStats,
+        Option<crate::tokenize::ChunkStats>,
+    )>,
 }
 
 fn gauge_value(v: u64) -> i64 {
@@ -488,6 +541,7 @@ impl Metrics {
 
     /// The OpenMetrics text of every metric, with the state gauges set from `g`.
     pub fn render(&self, g: &Gauges) -> String {
+        let _one = self.rendering.lock();
         let s = &self.state;
         for (state, v) in [
             ("live", g.pods_live),
@@ -515,6 +569,39 @@ impl Metrics {
                     ("tenant", t.clone()),
                 ])
                 .set(gauge_value(*n as u64));
+        }
+        // The tokenizers' own counts, set afresh at each scrape: the series of a model
+        // that went go with it, and a count that restarts with its tokenizer's reload
+        // reads to Prometheus as a counter reset.
+        for f in [&s.segment_bytes, &s.segment_entries, &s.chunking_on] {
+            f.clear();
+        }
+        s.segment_evicted.clear();
+        s.segment_lookups.clear();
+        s.prompt_chunks.clear();
+        for (m, c, chunks) in &g.tokenizers {
+            let l = vec![("model", m.clone())];
+            s.segment_bytes
+                .get_or_create(&l)
+                .set(gauge_value(c.bytes as u64));
+            s.segment_entries
+                .get_or_create(&l)
+                .set(gauge_value(c.entries as u64));
+            s.segment_evicted.get_or_create(&l).inc_by(c.evicted);
+            for (outcome, v) in [("hit", c.hits), ("miss", c.misses)] {
+                let l = vec![("model", m.clone()), ("outcome", outcome.to_string())];
+                s.segment_lookups.get_or_create(&l).inc_by(v);
+            }
+            let Some(k) = chunks else { continue };
+            s.chunking_on.get_or_create(&l).set(i64::from(k.on));
+            for (outcome, v) in [
+                ("chunked", k.chunked),
+                ("verified", k.verified),
+                ("mismatch", k.mismatches),
+            ] {
+                let l = vec![("model", m.clone()), ("outcome", outcome.to_string())];
+                s.prompt_chunks.get_or_create(&l).inc_by(v);
+            }
         }
         s.predicted_entries.set(gauge_value(g.predicted_entries));
         s.inflight.set(gauge_value(g.inflight));

@@ -400,6 +400,11 @@ impl Sidecar {
             g.index.push((m, s.entries, s.heap_bytes));
         }
         g.predicted_entries = self.predicted.entries();
+        g.tokenizers = self
+            .tokenizers()
+            .models()
+            .map(|(m, t)| (m.clone(), t.cache_stats(), t.chunk_stats()))
+            .collect();
         g.inflight = self.ledger.outstanding() as u64;
         g.queued = self
             .waiting
