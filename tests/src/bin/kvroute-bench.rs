@@ -310,6 +310,13 @@ fn cut_and_compress(
 }
 
 fn main() -> anyhow::Result<()> {
+    // Printed tables are often piped into `head` or `grep -m`: a closed pipe ends the
+    // process as it ends other command-line tools, instead of a panic in `println!`.
+    // SAFETY: setting a signal's disposition to the default, before any thread starts.
+    #[cfg(unix)]
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let v = match Cli::parse().cmd {
         Cmd::Tokenize { dir, iterations } => {
             bench::tokenize::run(&bench::tokenize::Opts { dir, iterations })?
