@@ -447,7 +447,7 @@ impl Default for Metrics {
         );
         r.register(
             "kvroute_tokenizer_prompt_chunking",
-            "1 while a model's long completions prompts are encoded in chunks (0: encoded whole, after a check found a difference or the tokenizer does not qualify).",
+            "1 while a model's long completions prompts are encoded in chunks, 0 once a check found the chunks' ids differ and prompts are encoded whole (no series: the tokenizer does not qualify).",
             m.state.chunking_on.clone(),
         );
         r.register(
