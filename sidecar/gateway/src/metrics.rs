@@ -570,9 +570,9 @@ impl Metrics {
                 ])
                 .set(gauge_value(*n as u64));
         }
-        // The tokenizers' own counts, set afresh at each scrape: the series of a model
-        // that went go with it, and a count that restarts with its tokenizer's reload
-        // reads to Prometheus as a counter reset.
+        // The tokenizers' own counts, set afresh at each scrape: a model's series go when
+        // its tokenizer does, and a count that restarts when its tokenizer is loaded
+        // again reads to Prometheus as a counter reset.
         for f in [&s.segment_bytes, &s.segment_entries, &s.chunking_on] {
             f.clear();
         }
