@@ -590,32 +590,77 @@ fn on_the_live_agentic_case_in_tokens_sessions_keep_their_homes() {
 }
 
 /// The imitations the simulator compares kvroute with decide as the real routers did:
-/// one agentic round of each real router, recorded live by `kvroute-bench peers --dump`
-/// (`tests/data/peers/`, the chains left out and filled in from the shipped sessions), is
-/// replayed through the simulator's own `sglang` and `vllm-router` selectors with each
-/// pod's requests in flight at the moment the real router chose. A change to either
-/// imitation that stops it deciding as its router does fails here.
+/// one round of each real router on the agentic sessions and one on the Mooncake trace,
+/// recorded live by `kvroute-bench peers --dump` (`tests/data/peers/`, the chains left
+/// out and filled in from the shipped traces), are replayed through the simulator's own
+/// `sglang` and `vllm-router` selectors with each pod's requests in flight at the moment
+/// the real router chose. A change to either imitation that stops it deciding as its
+/// router does fails here.
 #[test]
 fn the_imitations_decide_as_the_real_routers_did() {
-    let reqs = kvroute_tests::bench::peers::trace_requests(
-        "agentic",
-        &kvroute_tests::bench::peers::Opts::default(),
-    )
-    .expect("the agentic sessions");
     let data = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/peers");
-    for (file, gateway) in [
-        ("agentic-smg-1.13.0.jsonl", "smg cache_aware"),
+    // (workload, recording, gateway, the share of decisions agreed up to ties, the
+    // fewest decisions of each branch). On the Mooncake trace vLLM's router sends about
+    // one new prompt in fifteen to a pod with one more request in flight than the
+    // fewest, as the client saw them; shifting when requests end does not explain it
+    // (docs/benchmarks.md), so its floor there is 95%.
+    let runs = [
         (
+            "agentic",
+            "agentic-smg-1.13.0.jsonl",
+            "smg cache_aware",
+            0.99,
+            1000,
+            50,
+        ),
+        (
+            "agentic",
             "agentic-vllm-router-0.1.17.jsonl",
             "vllm-router cache_aware",
+            0.99,
+            1000,
+            50,
         ),
-    ] {
-        let text = std::fs::read_to_string(data.join(file)).expect("a recorded run");
+        (
+            "mooncake",
+            "mooncake-smg-1.13.0.jsonl.gz",
+            "smg cache_aware",
+            0.99,
+            1500,
+            1500,
+        ),
+        (
+            "mooncake",
+            "mooncake-vllm-router-0.1.17.jsonl.gz",
+            "vllm-router cache_aware",
+            0.95,
+            1500,
+            1500,
+        ),
+    ];
+    let mut traces = std::collections::HashMap::new();
+    for (workload, file, gateway, floor, matched, new) in runs {
+        let reqs = traces.entry(workload).or_insert_with(|| {
+            kvroute_tests::bench::peers::trace_requests(
+                workload,
+                &kvroute_tests::bench::peers::Opts::default(),
+            )
+            .expect("the trace as peers replays it")
+        });
+        let raw = std::fs::read(data.join(file)).expect("a recorded run");
+        let text = if file.ends_with(".gz") {
+            let mut out = String::new();
+            std::io::Read::read_to_string(&mut flate2::read::GzDecoder::new(&raw[..]), &mut out)
+                .expect("gzip");
+            out
+        } else {
+            String::from_utf8(raw).expect("utf-8")
+        };
         let mut rows: Vec<sim::Dumped> = text
             .lines()
             .map(|l| serde_json::from_str(l).expect("a dump line"))
             .collect();
-        sim::with_chains(&mut rows, &reqs).expect("chains");
+        sim::with_chains(&mut rows, reqs).expect("chains");
         let runs = sim::replay_dump(&rows);
         assert_eq!(runs.len(), 1, "{file}");
         let (g, _, a) = &runs[0];
@@ -624,16 +669,16 @@ fn the_imitations_decide_as_the_real_routers_did() {
         // Up to ties: which of equally loaded pods a router takes is not its policy.
         // The client's view of what was in flight is a few requests off at most.
         assert!(
-            a.within_ties as f64 >= 0.99 * a.decisions as f64,
-            "{gateway}'s imitation agrees with it on {} of {} decisions: {a:?}",
+            a.within_ties as f64 >= floor * a.decisions as f64,
+            "{gateway}'s imitation agrees with it on {} of {} decisions ({file}): {a:?}",
             a.within_ties,
             a.decisions
         );
         // Both branches of the rule were exercised: prompts it had routed, and new ones.
         assert!(
-            a.by_case.get("match").is_some_and(|m| m.0 > 1000)
-                && a.by_case.get("new").is_some_and(|n| n.0 > 50),
-            "{a:?}"
+            a.by_case.get("match").is_some_and(|m| m.0 > matched)
+                && a.by_case.get("new").is_some_and(|n| n.0 > new),
+            "{file}: {a:?}"
         );
     }
 }
