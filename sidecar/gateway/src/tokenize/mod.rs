@@ -414,8 +414,9 @@ impl ModelTokenizer {
             return Ok(ids);
         }
         let whole = self.encode_whole(text, true)?;
-        ch.checked(ids == whole);
-        if ids != whole {
+        let same = ids == whole;
+        ch.checked(same);
+        if !same {
             tracing::warn!(
                 tokenizer = %self.dir.display(),
                 "a chunked prompt encoded differently from the whole: chunking turned off"
