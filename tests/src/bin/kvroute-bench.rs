@@ -83,9 +83,12 @@ enum Cmd {
         /// Per-pod KV cache capacity in blocks (default: 1024 for traces, 16384 generated).
         #[arg(long)]
         capacity_blocks: Option<usize>,
-        /// Trace time compression factor.
-        #[arg(long, default_value_t = 1.0)]
-        speedup: f64,
+        /// Trace time compression factor; several (comma-separated) replay the workload at
+        /// each, each its own table, then one table over them all as over seeds: an
+        /// overloaded fleet's figures swing with a few decisions, so one rate is a poor
+        /// judge there too.
+        #[arg(long, value_delimiter = ',', default_value = "1")]
+        speedup: Vec<f64>,
         /// Replay only the requests of a trace's (or the sessions') first this many
         /// seconds, before compression (`kvroute-bench peers` replays the sessions' first 900).
         #[arg(long)]
@@ -440,18 +443,23 @@ fn main() -> anyhow::Result<()> {
                 anyhow::ensure!(x.is_finite() && x > 0.0, "--output-scale {x}");
             }
             anyhow::ensure!(seeds >= 1, "--seeds {seeds}");
+            anyhow::ensure!(
+                !speedup.is_empty() && speedup.iter().all(|x| x.is_finite() && *x > 0.0),
+                "--speedup {speedup:?}"
+            );
+            let speedups = speedup;
             let mut last = Vec::new();
             // Workload label → each seed's results, for the table over seeds.
             let mut per_seed: std::collections::BTreeMap<String, Vec<Vec<sim::SimResult>>> =
                 Default::default();
-            let w = SimWorkloads {
+            let mut w = SimWorkloads {
                 agentic: agentic.as_deref(),
                 session_gap_s,
                 trace: trace.as_deref(),
                 workload: workload.as_deref(),
                 rate,
                 trace_seconds,
-                speedup,
+                speedup: speedups[0],
             };
             if let Some(out) = export_mooncake {
                 let runs = w.load(seed)?;
@@ -471,9 +479,16 @@ fn main() -> anyhow::Result<()> {
                 );
                 return Ok(());
             }
-            for seed in seed..seed + seeds {
+            let runs_of = (seed..seed + seeds)
+                .flat_map(|s| speedups.iter().map(move |&x| (s, x)))
+                .collect::<Vec<_>>();
+            for &(seed, speedup) in &runs_of {
+                w.speedup = speedup;
                 let runs = w.load(seed)?;
                 for (label, reqs, bt) in &runs {
+                    if speedups.len() > 1 {
+                        println!("speedup {speedup}:");
+                    }
                     let scaled;
                     let reqs = if output_scale.is_some() || max_output_tokens.is_some() {
                         scaled = kvroute_tests::workload::scale_outputs(
@@ -524,10 +539,19 @@ fn main() -> anyhow::Result<()> {
                     last.extend(res);
                 }
             }
-            if seeds > 1 {
+            if runs_of.len() > 1 {
+                let mut over = Vec::new();
+                if seeds > 1 {
+                    over.push(format!("seeds {seed}-{}", seed + seeds - 1));
+                }
+                if speedups.len() > 1 {
+                    let x: Vec<String> = speedups.iter().map(|x| x.to_string()).collect();
+                    over.push(format!("speedups {}", x.join(",")));
+                }
+                let over = over.join(" x ");
                 for (label, runs) in &per_seed {
                     let rows = sim::summarize_seeds(runs);
-                    print!("{}", sim::seed_table(label, seed, &rows));
+                    print!("{}", sim::seed_table(label, &over, &rows));
                     for r in &rows {
                         println!("{}", r.json());
                     }
