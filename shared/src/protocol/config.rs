@@ -174,7 +174,9 @@ pub struct PolicyConfig {
     pub require_registration: bool,
     /// Share of a session's last prompt credited as hits to the pod the session is bound
     /// to (a session header, `prompt_cache_key`, Messages `metadata.user_id`, `user`): what
-    /// the pod probably still holds when the index cannot tell. 0 turns it off.
+    /// the pod probably still holds when the index cannot tell. Not credited where the
+    /// index follows the pod's events and the pod keeps returning prompts: there the
+    /// prompt is gone and the session chooses a home again. 0 turns it off.
     pub session_weight: f64,
     /// Bindings (sessions, Responses ids) unused this long are forgotten.
     pub binding_ttl_s: u64,

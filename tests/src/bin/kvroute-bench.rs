@@ -164,6 +164,10 @@ enum Cmd {
         /// ... and its tenant `tenants[i % n]` (e.g. ten 0s and a 1: 10:1).
         #[arg(long, value_delimiter = ',')]
         tenants: Vec<u32>,
+        /// Requests do not name their session to the router, as chat clients that send
+        /// no session id (moves are still counted by the trace's sessions).
+        #[arg(long)]
+        no_session_ids: bool,
     },
     /// kvroute beside the real routers (smg, vllm-router; `make peers-deps`) on the same
     /// engines and workloads, in one run.
@@ -409,6 +413,7 @@ fn main() -> anyhow::Result<()> {
             text_bytes_per_token,
             priorities,
             tenants,
+            no_session_ids,
         } => {
             use kvroute_tests::sim::{self, Policy, SimOpts};
             let policies: Vec<Policy> = match policies {
@@ -527,6 +532,7 @@ fn main() -> anyhow::Result<()> {
                             priority: priorities.clone(),
                             tenant: tenants.clone(),
                         }),
+                        session_ids: !no_session_ids,
                     };
                     let res = sim::compare(label, reqs, &o, &policies);
                     per_seed.entry(label.clone()).or_default().push(res.clone());

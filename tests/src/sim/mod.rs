@@ -91,6 +91,9 @@ pub struct SimOpts {
     pub dp_ranks: usize,
     /// Hold requests in each gateway's admission queue while no pod has room for them.
     pub admission: Option<SimAdmission>,
+    /// Requests name their session to the router (off: as a chat client that sends no
+    /// session id; the simulator still counts sessions' moves from the trace).
+    pub session_ids: bool,
 }
 
 /// The router's admission queue in the simulation: the sidecar's own gate
@@ -165,6 +168,7 @@ impl SimOpts {
             text: None,
             dp_ranks: 1,
             admission: None,
+            session_ids: true,
         }
     }
 }
@@ -474,7 +478,10 @@ impl Sim<'_> {
             chain: r.chain.clone(),
             prompt_tokens,
             request_id: None,
-            session: r.session.map(|s| s.to_string()),
+            session: r
+                .session
+                .filter(|_| self.o.session_ids)
+                .map(|s| s.to_string()),
             previous_response: None,
             role: None,
             dry_run: false,

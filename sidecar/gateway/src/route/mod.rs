@@ -448,8 +448,19 @@ impl<'a> Route<'a> {
 
     /// Blocks a binding credits to `pod`: a continued response's whole history, a
     /// session's last prompt at `session_weight` (never more than this prompt) when the
-    /// indexes hold none of this one.
-    fn bound_blocks(&self, pod: &str) -> f64 {
+    /// indexes hold none of this one, unless the pod `keeps` what returning turns come
+    /// back for.
+    ///
+    /// `keeps`: token chains, the pod's events followed without a gap, and no eviction
+    /// pressure past its floor ([`crate::returns`]). Such a pod holding none of the
+    /// session's prompt lost it to the session's own absence: the prompt is gone from
+    /// every cache, and the session chooses a home again by load as a new one does, which
+    /// keeps homes balanced as sessions end (the agentic sessions on 2–16 pods, seeds
+    /// 1–16: max/mean 1.62 → 1.50 on 8 × 4,096 and 2.05 → 1.81 on 16 × 2,048, docs/policy.md).
+    /// Where a pod evicts returning prompts the loss says nothing of the session, and
+    /// where the index cannot tell (text chains, a pod not followed yet or with a gap, a
+    /// restarted sidecar) the binding is what there is: both keep the session home.
+    fn bound_blocks(&self, pod: &str, keeps: bool) -> f64 {
         let bt = self.ask.block_size.max(1) as f64;
         let mut b: f64 = 0.0;
         if let Some(r) = self.facts.response.as_ref().filter(|r| &*r.pod == pod) {
@@ -463,7 +474,9 @@ impl<'a> Route<'a> {
                 let blocks = (s.tokens as f64 / bt)
                     .floor()
                     .min(self.ask.prompt_blocks as f64);
-                b = b.max(self.cfg.session_weight * blocks);
+                if !keeps {
+                    b = b.max(self.cfg.session_weight * blocks);
+                }
             }
         }
         b
@@ -567,7 +580,10 @@ impl<'a> Route<'a> {
                     tiers: None,
                     stale: p.stale,
                     load: p.load_view(load, now),
-                    bound: self.bound_blocks(&id),
+                    bound: self.bound_blocks(
+                        &id,
+                        req.mode == Mode::Tokens && p.events_seen && !p.stale && pressure == 0.0,
+                    ),
                     pinned: facts.response.as_ref().is_some_and(|r| r.pod == id),
                     pressure,
                     peer_home: slot.is_some_and(|(rank, count)| i % count != rank),
@@ -934,6 +950,69 @@ mod tests {
         let y = route(&sc, &quiet((base..base + 80).collect())).expect("quiet again");
         done(&sc, &y);
         assert_eq!(sc.returns.pressure_of(&x.pod), None);
+    }
+
+    /// A session bound to a pod whose events the index follows, which keeps what
+    /// returning turns come back for and holds none of this session's prompt: the prompt
+    /// aged out while the session was away, the binding credits nothing, and the session
+    /// chooses its home again by load. The same pod seen evicting returning prompts, or
+    /// one the index does not follow, keeps the session's credit.
+    #[test]
+    fn a_binding_lapses_where_its_pod_keeps_returning_prompts() {
+        use crate::ingest::{ingest, Recovery};
+        use kvroute_shared::protocol::{Event, EventBatch, Tier};
+        let (sc, _ch) = four_pods();
+        let locks = Recovery::default();
+        let turn = |chain: Vec<u64>, dry_run: bool| RouteRequest {
+            session: Some("s".into()),
+            dry_run,
+            explain: dry_run,
+            ..tokens_req(chain, "r")
+        };
+        let first: Vec<u64> = (1000..1064).collect();
+        let a = route(&sc, &turn(first.clone(), false)).expect("first");
+        done(&sc, &a);
+        let next: Vec<u64> = (1000..1080).collect();
+        let hits_on_home = || -> f64 {
+            let r = route(&sc, &turn(next.clone(), true)).expect("dry run");
+            r.explain
+                .as_ref()
+                .and_then(|e| e.as_array())
+                .and_then(|e| e.iter().find(|c| c["pod"] == a.pod.as_str()))
+                .and_then(|c| c["hits"].as_f64())
+                .expect("the home pod's breakdown")
+        };
+        // Its engine stores the prompt, then evicts all of it; no returning turn found
+        // its prompt gone there before: the binding lapses.
+        for (seq, ev) in [
+            Event::Stored {
+                tier: Tier::Gpu,
+                parent: None,
+                blocks: first.clone(),
+                tokens: None,
+            },
+            Event::Removed {
+                tier: Tier::Gpu,
+                blocks: first.clone(),
+            },
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let b = EventBatch::new(&a.pod, "m", "e", seq as u64, vec![ev]);
+            ingest(&sc, &locks, &b).expect("ingest");
+        }
+        // ... and the router's own guess that the pod holds it has expired
+        // (`predicted_ttl_s`): no index knows anything of the prompt.
+        let later = Instant::now() + std::time::Duration::from_secs(1);
+        sc.predicted.expire(std::time::Duration::ZERO, later);
+        assert_eq!(hits_on_home(), 0.0);
+        // The pod is seen evicting returning prompts: the binding holds again.
+        let home: Arc<str> = Arc::from(a.pod.as_str());
+        for _ in 0..30 {
+            sc.returns.observe(&home, 100, 0);
+        }
+        assert_eq!(hits_on_home(), 32.0);
     }
 
     /// Sessions and continued responses stay with their pods, weighed as hits: a
