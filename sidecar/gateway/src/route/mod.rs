@@ -955,8 +955,9 @@ mod tests {
     /// A session bound to a pod whose events the index follows, which keeps what
     /// returning turns come back for and holds none of this session's prompt: the prompt
     /// aged out while the session was away, the binding credits nothing, and the session
-    /// chooses its home again by load. The same pod seen evicting returning prompts, or
-    /// one the index does not follow, keeps the session's credit.
+    /// chooses its home again by load. The same pod seen evicting returning prompts keeps
+    /// the session's credit (and so do pods whose events the index does not follow:
+    /// `bindings_keep_conversations_on_their_pods`).
     #[test]
     fn a_binding_lapses_where_its_pod_keeps_returning_prompts() {
         use crate::ingest::{ingest, Recovery};
