@@ -5,14 +5,15 @@
 
 use kvroute_tests::sim::{self, Policy, SimOpts};
 
-/// The shipped Claude Code sessions as 512-token blocks, starting 4 s apart on average.
-fn agentic_sessions() -> Vec<kvroute_tests::workload::Request> {
+/// The shipped Claude Code sessions as 512-token blocks, starting 4 s apart on average
+/// (when, drawn from `seed`).
+fn agentic_sessions(seed: u64) -> Vec<kvroute_tests::workload::Request> {
     kvroute_tests::workload::load_agentic(
         &kvroute_tests::workload::default_agentic(),
         kvroute_tests::workload::AgenticOpts {
             block_tokens: 512,
             mean_gap_s: 4.0,
-            seed: 1,
+            seed,
         },
     )
     .expect("sessions")
@@ -231,7 +232,7 @@ fn the_dynamo_imitation_reuses_what_dynamos_own_replay_does() {
     // What `kvroute-bench sim --agentic --export-mooncake` hands Dynamo's replay.
     let dir = tempfile::tempdir().expect("tempdir");
     let exported = dir.path().join("agentic.jsonl");
-    kvroute_tests::workload::write_mooncake(&agentic_sessions(), &exported).expect("export");
+    kvroute_tests::workload::write_mooncake(&agentic_sessions(1), &exported).expect("export");
     let agentic = kvroute_tests::workload::load_mooncake(&exported).expect("exported trace");
     for (label, reqs, capacity, real) in [
         ("mooncake", mooncake, 1024, (0.334, 0.352)),
@@ -378,7 +379,7 @@ fn text_chains_at_every_bytes_per_token_keep_their_homes_on_full_caches() {
 /// balance target there, max/mean ≤ 1.5, is not met yet: 1.74 and 2.19.)
 #[test]
 fn agentic_sessions_beat_every_baseline() {
-    let reqs = agentic_sessions();
+    let reqs = agentic_sessions(1);
     assert_eq!(
         reqs.len(),
         3600,
@@ -423,15 +424,7 @@ fn agentic_sessions_beat_every_baseline() {
 #[test]
 fn a_fleet_far_behind_lets_turns_leave_a_drifting_queue() {
     for seed in [1, 2] {
-        let reqs = kvroute_tests::workload::load_agentic(
-            &kvroute_tests::workload::default_agentic(),
-            kvroute_tests::workload::AgenticOpts {
-                block_tokens: 512,
-                mean_gap_s: 4.0,
-                seed,
-            },
-        )
-        .expect("sessions");
+        let reqs = agentic_sessions(seed);
         let run = |config: kvroute_shared::protocol::PolicyConfig| {
             let o = SimOpts {
                 seed,
@@ -476,7 +469,7 @@ fn a_fleet_far_behind_lets_turns_leave_a_drifting_queue() {
 /// 0.850 and the system prompt alone gives any router over half of it).
 #[test]
 fn data_parallel_ranks_route_as_separate_pods() {
-    let agentic = agentic_sessions();
+    let agentic = agentic_sessions(1);
     let cases = [
         ("agentic", agentic, SimOpts::new(8, 4096, 512), 1.2),
         (
@@ -552,7 +545,7 @@ fn leads(kv: &sim::SimResult, on_mean: &[sim::SimResult], on_p99: &[sim::SimResu
 /// smg's (0.376 against 0.392; 0.350 with the cut off).
 #[test]
 fn on_the_live_agentic_case_kvroute_keeps_the_lowest_ttft_beside_smg() {
-    let mut reqs = agentic_sessions();
+    let mut reqs = agentic_sessions(1);
     reqs.retain(|r| r.ts_ms <= 900_000.0);
     assert_eq!(reqs.len(), 1379, "what the live comparison replays");
     let o = SimOpts {
@@ -606,7 +599,7 @@ fn on_the_live_agentic_case_kvroute_keeps_the_lowest_ttft_beside_smg() {
 /// kvroute moves a fifth of the turns to skip a queue and reuses 0.369.
 #[test]
 fn on_the_live_agentic_case_in_tokens_sessions_keep_their_homes() {
-    let mut reqs = agentic_sessions();
+    let mut reqs = agentic_sessions(1);
     reqs.retain(|r| r.ts_ms <= 900_000.0);
     let policies = [
         Policy::Kvroute,
@@ -624,15 +617,7 @@ fn on_the_live_agentic_case_in_tokens_sessions_keep_their_homes() {
         o
     };
     let seeded = |seed: u64| {
-        let mut reqs = kvroute_tests::workload::load_agentic(
-            &kvroute_tests::workload::default_agentic(),
-            kvroute_tests::workload::AgenticOpts {
-                block_tokens: 512,
-                mean_gap_s: 4.0,
-                seed,
-            },
-        )
-        .expect("sessions");
+        let mut reqs = agentic_sessions(seed);
         reqs.retain(|r| r.ts_ms <= 900_000.0);
         reqs
     };
