@@ -590,13 +590,14 @@ fn on_the_live_agentic_case_kvroute_keeps_the_lowest_ttft_beside_smg() {
 /// The same case routed by token chains (precise mode: the sidecar tokenizes and the
 /// engines' events fill the index), with engines as fast as the live comparison's
 /// relative to its prompts (8,000 tokens a second for a 64-token trace block, so 64,000
-/// for the simulator's 512), over seeds 1–6 (geometric means: one seed's tail is a poor
-/// judge here). Token chains carry no guesses, so the pressure that keeps a session home
-/// where caches evict is read off its returning turns (the sidecar's `returns`): with it
-/// kvroute has the lowest mean and p99 TTFT (2,091 ms and 18.1 s against smg's imitation's
-/// 2,659 ms and 19.7 s) and reuses more than smg's imitation (0.399 against 0.395; vLLM
-/// router's and session affinity's 0.410 and 0.409, at 3,858 and 4,128 ms); without it
-/// kvroute moves a fifth of the turns to skip a queue and reuses 0.369.
+/// for the simulator's 512), over seeds 1–12 (geometric means: one seed's tail is a poor
+/// judge here, and six seeds' p99 still swings by a tenth). Token chains carry no
+/// guesses, so the pressure that keeps a session home where caches evict is read off its
+/// returning turns (the sidecar's `returns`): with it kvroute has the lowest mean and p99
+/// TTFT (2,075 ms and 18.7 s against smg's imitation's 2,551 ms and 19.4 s) and the
+/// highest hit rate (0.420 against smg's 0.400, vLLM router's 0.406 and session
+/// affinity's 0.413, at 3,407 and 3,637 ms); without it kvroute moves a fifth of the
+/// turns to skip a queue and reuses 0.373.
 #[test]
 fn on_the_live_agentic_case_in_tokens_sessions_keep_their_homes() {
     let mut reqs = agentic_sessions(1);
@@ -623,7 +624,7 @@ fn on_the_live_agentic_case_in_tokens_sessions_keep_their_homes() {
     };
     assert_eq!(reqs.len(), 1379, "what the live comparison replays");
     let cut = kvroute_shared::protocol::PolicyConfig::default().eviction_load_cut;
-    let runs: Vec<Vec<sim::SimResult>> = (1..=6)
+    let runs: Vec<Vec<sim::SimResult>> = (1..=12)
         .map(|seed| {
             sim::compare(
                 "live-shaped, tokens",
@@ -646,15 +647,11 @@ fn on_the_live_agentic_case_in_tokens_sessions_keep_their_homes() {
             kv.ttft_p99_ms < x.ttft_p99_ms,
             "kvroute {kv:?} behind {x:?}"
         );
-        assert!(
-            kv.hit_rate > x.hit_rate - 0.015,
-            "kvroute {kv:?} behind {x:?}"
-        );
+        assert!(kv.hit_rate > x.hit_rate, "kvroute {kv:?} behind {x:?}");
     }
-    assert!(kv.hit_rate > smg.hit_rate, "kvroute {kv:?} behind {smg:?}");
     assert!(kv.session_moves < 0.08, "{kv:?}");
     // Without the cut the turns leave their homes again.
-    let off: Vec<Vec<sim::SimResult>> = (1..=6)
+    let off: Vec<Vec<sim::SimResult>> = (1..=12)
         .map(|seed| {
             sim::compare(
                 "cut off",

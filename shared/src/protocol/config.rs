@@ -176,7 +176,11 @@ pub struct PolicyConfig {
     /// to (a session header, `prompt_cache_key`, Messages `metadata.user_id`, `user`): what
     /// the pod probably still holds when the index cannot tell. Not credited where the
     /// index follows the pod's events and the pod keeps returning prompts: there the
-    /// prompt is gone and the session chooses a home again. 0 turns it off.
+    /// prompt is gone and the session chooses a home again. Where pods evict returning
+    /// prompts it also keeps a session home when nothing holds its prompt any more, which
+    /// evicts fewer other sessions than re-prefilling it on the idlest pod (0.6 against
+    /// 0.5: +1.8 points of hit rate on the live-shaped agentic case, docs/policy.md).
+    /// 0 turns it off.
     pub session_weight: f64,
     /// Bindings (sessions, Responses ids) unused this long are forgotten.
     pub binding_ttl_s: u64,
@@ -418,7 +422,7 @@ impl Default for PolicyConfig {
             breaker_failures: 5,
             breaker_cooldown_s: 10,
             require_registration: false,
-            session_weight: 0.5,
+            session_weight: 0.6,
             binding_ttl_s: 3600,
             max_bindings: 65_536,
             admission: AdmissionConfig::default(),

@@ -1013,7 +1013,8 @@ mod tests {
         for _ in 0..30 {
             sc.returns.observe(&home, 100, 0);
         }
-        assert_eq!(hits_on_home(), 32.0);
+        let credit = PolicyConfig::default().session_weight * 64.0;
+        assert_eq!(hits_on_home(), credit);
     }
 
     /// Sessions and continued responses stay with their pods, weighed as hits: a
