@@ -12,10 +12,18 @@
 //! stored, which the request does not carry (`previous_response_id`): every other pod
 //! would have to rebuild it, and vLLM answers 404 for a response it does not hold.
 //!
+//! A conversation whose client sends no session id is followed by its prompt instead
+//! (`Kind::Prompt`, token chains only): its last turn's chain, at a block on a fixed grid
+//! near its end (`tip_key`), is the key its next turn finds by probing its own chain at
+//! the grid's places. Kept in a table of its own, so single-turn traffic cannot crowd out
+//! the sessions clients name, and not shared with other replicas (a turn another
+//! replica routed is a new conversation here).
+//!
 //! Keys are hashed with the model (xxh3 of `model ++ 0 ++ key`), so an entry is a fixed
 //! 60-odd bytes whatever the client sent; each table is bounded in count (oldest bound
-//! first out) and by a TTL since the last use. Other replicas learn bindings from the
-//! load deltas the decisions already broadcast (`LoadDelta::session`, `::response`).
+//! first out) and by a TTL since the last use. Other replicas learn session and response
+//! bindings from the load deltas the decisions already broadcast (`LoadDelta::session`,
+//! `::response`).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -112,13 +120,18 @@ impl Table {
 pub enum Kind {
     Session,
     Response,
+    /// A conversation without a session id, keyed by its last prompt's tip.
+    Prompt,
 }
 
 impl Kind {
+    const ALL: [Kind; 3] = [Kind::Session, Kind::Response, Kind::Prompt];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Kind::Session => "session",
             Kind::Response => "response",
+            Kind::Prompt => "prompt",
         }
     }
 }
@@ -132,11 +145,21 @@ pub fn key(model: &str, key: &str) -> u64 {
     h.digest()
 }
 
+/// The key of a prompt's tip: a block of its chain, for the model whose `key(model, "")`
+/// is `model`. A chain block is a hash of everything before it, so it names its place
+/// too; two conversations that share a prompt up to it share the key, and the cache it
+/// stands for. Cheap (one xor), since a turn probes up to [`crate::route`]'s limit of
+/// them.
+pub fn tip_key(model: u64, block: u64) -> u64 {
+    block ^ model.rotate_left(29)
+}
+
 /// The sidecar's bindings, one table per kind behind one lock each.
 #[derive(Debug)]
 pub struct Bindings {
     sessions: Mutex<Table>,
     responses: Mutex<Table>,
+    prompts: Mutex<Table>,
 }
 
 impl Default for Bindings {
@@ -144,6 +167,7 @@ impl Default for Bindings {
         Bindings {
             sessions: Mutex::new(Table::new()),
             responses: Mutex::new(Table::new()),
+            prompts: Mutex::new(Table::new()),
         }
     }
 }
@@ -156,6 +180,7 @@ impl Bindings {
         match kind {
             Kind::Session => &self.sessions,
             Kind::Response => &self.responses,
+            Kind::Prompt => &self.prompts,
         }
     }
 
@@ -169,11 +194,29 @@ impl Bindings {
         self.table(kind).lock().get(key, now, ttl).cloned()
     }
 
+    /// The first of `keys` bound (and used within `ttl`), under one lock.
+    pub fn find(
+        &self,
+        kind: Kind,
+        keys: impl IntoIterator<Item = u64>,
+        now: Instant,
+        ttl: Duration,
+    ) -> Option<(u64, Bound)> {
+        let t = self.table(kind).lock();
+        keys.into_iter()
+            .find_map(|k| t.get(k, now, ttl).map(|b| (k, b.clone())))
+    }
+
+    /// Forget `key` (its place in the binding order is skipped when it comes up).
+    pub fn unbind(&self, kind: Kind, key: u64) {
+        self.table(kind).lock().map.remove(&key);
+    }
+
     /// Drop bindings unused for longer than `ttl`, and any over `max` (the cleaner's
     /// tick, so a lowered limit takes effect). Returns how many went.
     pub fn expire(&self, now: Instant, ttl: Duration, max: usize) -> usize {
         let mut n = 0;
-        for kind in [Kind::Session, Kind::Response] {
+        for kind in Kind::ALL {
             let mut t = self.table(kind).lock();
             n += t.expire(now, ttl);
             while t.map.len() > max {
@@ -192,13 +235,13 @@ impl Bindings {
     /// For `/v1/status`: counts per kind, the limit, and the bytes they may take.
     pub fn status(&self, max: u64) -> serde_json::Value {
         let mut v = serde_json::Map::new();
-        for kind in [Kind::Session, Kind::Response] {
+        for kind in Kind::ALL {
             v.insert(kind.as_str().into(), self.len(kind).into());
         }
         v.insert("max_per_kind".into(), max.into());
         v.insert(
             "max_bytes".into(),
-            (2 * max as usize * BYTES_PER_BINDING).into(),
+            (Kind::ALL.len() * max as usize * BYTES_PER_BINDING).into(),
         );
         serde_json::Value::Object(v)
     }
@@ -214,6 +257,37 @@ mod tests {
             tokens,
             tip: None,
         }
+    }
+
+    /// Prompt tips are keyed by model, place and block; `find` takes the first bound key
+    /// it is given, `unbind` forgets one, and the table is apart from the sessions'.
+    #[test]
+    fn prompt_tips_are_found_by_probing_and_forgotten_when_moved() {
+        let (bs, t0, ttl) = (Bindings::default(), Instant::now(), Duration::from_secs(60));
+        let m = key("m", "");
+        let k = tip_key(m, 1047);
+        assert_ne!(k, tip_key(key("m2", ""), 1047), "the model is in the key");
+        bs.bind(Kind::Prompt, k, b("a", 768), t0, 4);
+        assert_eq!(bs.len(Kind::Session), 0);
+        let probes = [tip_key(m, 1063), k, tip_key(m, 1031)];
+        assert_eq!(
+            bs.find(Kind::Prompt, probes, t0, ttl),
+            Some((k, b("a", 768)))
+        );
+        assert_eq!(bs.find(Kind::Session, probes, t0, ttl), None);
+        assert_eq!(
+            bs.find(Kind::Prompt, probes, t0 + Duration::from_secs(61), ttl),
+            None,
+            "past the TTL"
+        );
+        bs.unbind(Kind::Prompt, k);
+        assert_eq!(bs.find(Kind::Prompt, probes, t0, ttl), None);
+        // The order item it left is skipped when the oldest go.
+        for i in 0..8u64 {
+            bs.bind(Kind::Prompt, i, b("a", 1), t0, 4);
+        }
+        assert_eq!(bs.len(Kind::Prompt), 4);
+        assert_eq!(bs.status(4)["prompt"], 4);
     }
 
     #[test]

@@ -72,7 +72,7 @@ function drawStatus(s, d) {
   $("t-inflight").textContent = fmt(c.inflight);
   $("t-refused").textContent = `${fmt(sum(c.events_rejected))} / ${fmt(c.reports_rejected)}`;
   const b = s.bindings || {};
-  $("t-bindings").textContent = `${fmt(b.session ?? 0)} / ${fmt(b.response ?? 0)}`;
+  $("t-bindings").textContent = `${fmt(b.session ?? 0)} / ${fmt(b.response ?? 0)} / ${fmt(b.prompt ?? 0)}`;
   // A session turn sent off its bound pod prefills its prompt again there.
   const st = c.session_turns || {};
   const back = (st.stayed ?? 0) + (st.moved ?? 0);

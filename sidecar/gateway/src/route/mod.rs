@@ -308,6 +308,39 @@ fn validate(cfg: &PolicyConfig, req: &RouteRequest) -> Result<(), RouteError> {
 /// a block of text whose tokens merge with what follows.
 const TIP_SLACK_TOKENS: u32 = 256;
 
+/// A conversation without a session id is keyed by its prompt at a place on a grid of
+/// [`TIP_SLACK_TOKENS`] (`affinity::tip_key`), so its next turn probes one place in
+/// that many tokens of its own chain instead of every block, and at most this many.
+const MAX_TIP_PROBES: usize = 1024;
+
+/// Blocks between two places a conversation without a session id may be keyed at.
+fn tip_grid(block_size: u32) -> usize {
+    (TIP_SLACK_TOKENS / block_size.max(1)).max(1) as usize
+}
+
+/// The place and block a conversation without a session id is bound by after this turn:
+/// the last grid place at least [`TIP_SLACK_TOKENS`] before the chain's end.
+fn grid_tip(chain: &[u64], block_size: u32) -> Option<(u32, u64)> {
+    let (n, _) = tip(chain, block_size)?;
+    let g = tip_grid(block_size);
+    let n = n as usize / g * g;
+    Some((u32::try_from(n).ok()?, *chain.get(n.checked_sub(1)?)?))
+}
+
+/// The keys a turn without a session id may continue, deepest first: its chain's grid
+/// places.
+fn tip_probes<'c>(
+    model: &str,
+    chain: &'c [u64],
+    block_size: u32,
+) -> impl Iterator<Item = u64> + 'c {
+    let (g, m) = (tip_grid(block_size), affinity::key(model, ""));
+    (1..=chain.len() / g)
+        .rev()
+        .take(MAX_TIP_PROBES)
+        .map(move |k| affinity::tip_key(m, chain[k * g - 1]))
+}
+
 /// The block of a token chain a session's next turn is checked against (`Bound::tip`):
 /// its place (blocks up to and including it) and hash, [`TIP_SLACK_TOKENS`] before the
 /// chain's end. `None` for a chain shorter than that.
@@ -331,6 +364,9 @@ pub struct Facts {
     /// what they are bound to now.
     pub session: Option<(u64, Option<Bound>)>,
     pub response: Option<Bound>,
+    /// `session` is not the client's: the request named none, and this is the
+    /// conversation its chain continues (`Kind::Prompt`; key 0 when it continues none).
+    pub implicit: bool,
 }
 
 fn lookup(sc: &Sidecar, req: &RouteRequest, now: Instant) -> Facts {
@@ -377,7 +413,7 @@ fn lookup(sc: &Sidecar, req: &RouteRequest, now: Instant) -> Facts {
         .copied();
     let cfg = sc.config();
     let ttl = std::time::Duration::from_secs(cfg.binding_ttl_s);
-    let session = req.session.as_deref().map(|s| {
+    let mut session = req.session.as_deref().map(|s| {
         let k = affinity::key(&req.model, s);
         (k, sc.bindings.get(Kind::Session, k, now, ttl))
     });
@@ -388,6 +424,18 @@ fn lookup(sc: &Sidecar, req: &RouteRequest, now: Instant) -> Facts {
             .get(Kind::Response, affinity::key(&req.model, r), now, ttl)
             .or_else(|| session.as_ref().and_then(|(_, b)| b.clone()))
     });
+    // No session id: the conversation this chain continues, if this sidecar routed its
+    // last turn.
+    let implicit = session.is_none() && req.mode == Mode::Tokens && !req.chain.is_empty();
+    if implicit {
+        let found = sc.bindings.find(
+            Kind::Prompt,
+            tip_probes(&req.model, &req.chain, req.block_size),
+            now,
+            ttl,
+        );
+        session = Some(found.map_or((0, None), |(k, b)| (k, Some(b))));
+    }
     Facts {
         index,
         confirmed,
@@ -397,6 +445,7 @@ fn lookup(sc: &Sidecar, req: &RouteRequest, now: Instant) -> Facts {
         prompt_blocks,
         session,
         response,
+        implicit,
     }
 }
 
@@ -468,7 +517,13 @@ impl<'a> Route<'a> {
         }
         // Only where the indexes know nothing of the prompt (a cold or restarted index,
         // a prompt whose front changed): what they do know is fact, a binding a guess.
-        let blind = self.facts.confirmed.is_empty() && self.facts.predicted.is_empty();
+        // A conversation followed by its prompt (no session id) is not credited: on the
+        // Mooncake trace the credit kept prompts on pods that had evicted them at 10% of
+        // mean TTFT and 35% of p99 (docs/policy.md); it only tells `returns` what its
+        // pod evicted.
+        let blind = self.facts.confirmed.is_empty()
+            && self.facts.predicted.is_empty()
+            && !self.facts.implicit;
         if let (true, Some((_, Some(s)))) = (blind, self.facts.session.as_ref()) {
             if &*s.pod == pod {
                 let blocks = (s.tokens as f64 / bt)
@@ -676,7 +731,23 @@ impl<'a> Route<'a> {
         // The session is where this turn went now, with this turn's whole prompt (a
         // continued response's history included).
         let mut deltas = deltas;
-        if let Some((key, was)) = &facts.session {
+        let history = facts.response.as_ref().map_or(0, |r| r.tokens);
+        if let (true, Some((key, was))) = (facts.implicit, &facts.session) {
+            // A conversation without a session id moves its key to this turn's tip.
+            if let Some((n, last)) = grid_tip(&req.chain, req.block_size) {
+                let next = affinity::tip_key(affinity::key(&req.model, ""), last);
+                if was.is_some() && *key != next {
+                    sc.bindings.unbind(Kind::Prompt, *key);
+                }
+                let bound = Bound {
+                    pod: serving.pod.clone(),
+                    tokens: tokens.prompt + history,
+                    tip: Some((n, last)),
+                };
+                let max = self.cfg.max_bindings as usize;
+                sc.bindings.bind(Kind::Prompt, next, bound, self.now, max);
+            }
+        } else if let Some((key, was)) = &facts.session {
             let key = *key;
             let outcome = match was {
                 None => "new",
@@ -684,7 +755,6 @@ impl<'a> Route<'a> {
                 Some(_) => "moved",
             };
             sc.metrics.session_turns.inc(outcome, 1);
-            let history = facts.response.as_ref().map_or(0, |r| r.tokens);
             let bound = Bound {
                 pod: serving.pod.clone(),
                 tokens: tokens.prompt + history,
@@ -861,6 +931,88 @@ mod tests {
             request_id: Some(request_id.into()),
             ..RouteRequest::tokens("m", 16, chain)
         }
+    }
+
+    /// A conversation whose client sends no session id is followed by its prompt: each
+    /// turn binds the pod it went to under its chain's block at a grid place near the
+    /// end (`Kind::Prompt`, one entry per conversation), the next turn finds it by
+    /// probing its own chain, and tells `returns` what that pod evicted of it, as a
+    /// session's turn does. It is credited nothing where no index holds its prompt.
+    #[test]
+    fn a_conversation_without_a_session_id_is_followed_by_its_prompt() {
+        use crate::ingest::{ingest, Recovery};
+        use kvroute_shared::protocol::{Event, EventBatch, Tier};
+        let (sc, _ch) = four_pods();
+        let locks = Recovery::default();
+        let first: Vec<u64> = (1000..1064).collect();
+        let a = route(&sc, &tokens_req(first.clone(), "r")).expect("first");
+        done(&sc, &a);
+        assert_eq!(sc.bindings.len(Kind::Prompt), 1);
+        assert_eq!(sc.bindings.len(Kind::Session), 0, "no session table entry");
+        let mut seq = 0;
+        let mut events = |events: Vec<Event>| {
+            let b = EventBatch::new(&a.pod, "m", "e", seq, events);
+            seq += 1;
+            ingest(&sc, &locks, &b).expect("ingest");
+        };
+        events(vec![Event::Stored {
+            tier: Tier::Gpu,
+            parent: None,
+            blocks: first.clone(),
+            tokens: None,
+        }]);
+        // The next turn continues the first (bound at block 48 of 64: the grid of 16
+        // blocks, 256 tokens before the end) and finds all of it; its own tip replaces
+        // the first's.
+        let b = route(&sc, &tokens_req((1000..1080).collect(), "r")).expect("second");
+        done(&sc, &b);
+        assert_eq!(b.pod, a.pod);
+        assert_eq!(sc.returns.pressure_of(&a.pod), Some(0.0));
+        assert_eq!(sc.bindings.len(Kind::Prompt), 1);
+        // The pod evicts all but the first 16 blocks: the third turn, continuing the
+        // second at block 64, finds 16 of them.
+        events(vec![
+            Event::Stored {
+                tier: Tier::Gpu,
+                parent: Some(1063),
+                blocks: (1064..1080).collect(),
+                tokens: None,
+            },
+            Event::Removed {
+                tier: Tier::Gpu,
+                blocks: (1016..1080).collect(),
+            },
+        ]);
+        let c = route(&sc, &tokens_req((1000..1090).collect(), "r")).expect("third");
+        done(&sc, &c);
+        let p = sc.returns.pressure_of(&a.pod).unwrap_or(0.0);
+        assert!((p - 0.1 * 48.0 / 64.0).abs() < 1e-9, "{p}");
+        // Another conversation is another entry; a prompt that continues none (the
+        // first 16 blocks differ) starts its own.
+        let d = route(&sc, &tokens_req((7000..7064).collect(), "r")).expect("other");
+        done(&sc, &d);
+        assert_eq!(sc.bindings.len(Kind::Prompt), 2);
+        // Its pod evicts all of it and is seen evicting returning prompts: a session
+        // would keep its credit there, a conversation followed by its prompt gets none.
+        let home: Arc<str> = Arc::from(d.pod.as_str());
+        for _ in 0..30 {
+            sc.returns.observe(&home, 100, 0);
+        }
+        let later = Instant::now() + std::time::Duration::from_secs(1);
+        sc.predicted.expire(std::time::Duration::ZERO, later);
+        let dry = RouteRequest {
+            dry_run: true,
+            explain: true,
+            ..tokens_req((7000..7080).collect(), "r")
+        };
+        let r = route(&sc, &dry).expect("dry run");
+        let hits = r
+            .explain
+            .as_ref()
+            .and_then(|e| e.as_array())
+            .and_then(|e| e.iter().find(|c| c["pod"] == d.pod.as_str()))
+            .and_then(|c| c["hits"].as_f64());
+        assert_eq!(hits, Some(0.0));
     }
 
     /// A session's turn routed by tokens tells how much of its last prompt the pod it
