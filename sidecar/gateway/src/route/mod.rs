@@ -933,44 +933,38 @@ mod tests {
         }
     }
 
-    /// A conversation whose client sends no session id is followed by its prompt: each
-    /// turn binds the pod it went to under its chain's block at a grid place near the
-    /// end (`Kind::Prompt`, one entry per conversation), the next turn finds it by
-    /// probing its own chain, and tells `returns` what that pod evicted of it, as a
-    /// session's turn does. It is credited nothing where no index holds its prompt.
-    #[test]
-    fn a_conversation_without_a_session_id_is_followed_by_its_prompt() {
+    /// Three turns of one conversation (under `session`, or none) on a pod whose events
+    /// the index follows: the second finds all of the first's prompt there; the pod then
+    /// evicts all but its first 16 blocks, and the third, continuing the second (checked
+    /// 256 tokens, 16 blocks, before its end: 64 blocks), finds 16 of 64. The pod's
+    /// pressure is that one observation's. Returns the first turn's answer.
+    fn returning_turns_after_an_eviction(sc: &Sidecar, session: Option<&str>) -> RouteResponse {
         use crate::ingest::{ingest, Recovery};
         use kvroute_shared::protocol::{Event, EventBatch, Tier};
-        let (sc, _ch) = four_pods();
         let locks = Recovery::default();
+        let turn = |chain: Vec<u64>| RouteRequest {
+            session: session.map(str::to_owned),
+            ..tokens_req(chain, "r")
+        };
         let first: Vec<u64> = (1000..1064).collect();
-        let a = route(&sc, &tokens_req(first.clone(), "r")).expect("first");
-        done(&sc, &a);
-        assert_eq!(sc.bindings.len(Kind::Prompt), 1);
-        assert_eq!(sc.bindings.len(Kind::Session), 0, "no session table entry");
+        let a = route(sc, &turn(first.clone())).expect("first");
+        done(sc, &a);
         let mut seq = 0;
         let mut events = |events: Vec<Event>| {
             let b = EventBatch::new(&a.pod, "m", "e", seq, events);
             seq += 1;
-            ingest(&sc, &locks, &b).expect("ingest");
+            ingest(sc, &locks, &b).expect("ingest");
         };
         events(vec![Event::Stored {
             tier: Tier::Gpu,
             parent: None,
-            blocks: first.clone(),
+            blocks: first,
             tokens: None,
         }]);
-        // The next turn continues the first (bound at block 48 of 64: the grid of 16
-        // blocks, 256 tokens before the end) and finds all of it; its own tip replaces
-        // the first's.
-        let b = route(&sc, &tokens_req((1000..1080).collect(), "r")).expect("second");
-        done(&sc, &b);
+        let b = route(sc, &turn((1000..1080).collect())).expect("second");
+        done(sc, &b);
         assert_eq!(b.pod, a.pod);
         assert_eq!(sc.returns.pressure_of(&a.pod), Some(0.0));
-        assert_eq!(sc.bindings.len(Kind::Prompt), 1);
-        // The pod evicts all but the first 16 blocks: the third turn, continuing the
-        // second at block 64, finds 16 of them.
         events(vec![
             Event::Stored {
                 tier: Tier::Gpu,
@@ -983,17 +977,36 @@ mod tests {
                 blocks: (1016..1080).collect(),
             },
         ]);
-        let c = route(&sc, &tokens_req((1000..1090).collect(), "r")).expect("third");
-        done(&sc, &c);
+        let c = route(sc, &turn((1000..1090).collect())).expect("third");
+        done(sc, &c);
         let p = sc.returns.pressure_of(&a.pod).unwrap_or(0.0);
         assert!((p - 0.1 * 48.0 / 64.0).abs() < 1e-9, "{p}");
+        a
+    }
+
+    /// A conversation whose client sends no session id is followed by its prompt: each
+    /// turn binds the pod it went to under its chain's block at a grid place near the
+    /// end (`Kind::Prompt`, one entry per conversation), the next turn finds it by
+    /// probing its own chain, and tells `returns` what that pod evicted of it, as a
+    /// session's turn does. It is credited nothing where no index holds its prompt.
+    #[test]
+    fn a_conversation_without_a_session_id_is_followed_by_its_prompt() {
+        let (sc, _ch) = four_pods();
+        returning_turns_after_an_eviction(&sc, None);
+        assert_eq!(
+            sc.bindings.len(Kind::Prompt),
+            1,
+            "one entry per conversation"
+        );
+        assert_eq!(sc.bindings.len(Kind::Session), 0, "no session table entry");
         // Another conversation is another entry; a prompt that continues none (the
         // first 16 blocks differ) starts its own.
         let d = route(&sc, &tokens_req((7000..7064).collect(), "r")).expect("other");
         done(&sc, &d);
         assert_eq!(sc.bindings.len(Kind::Prompt), 2);
-        // Its pod evicts all of it and is seen evicting returning prompts: a session
-        // would keep its credit there, a conversation followed by its prompt gets none.
+        // No index holds any of its prompt and its pod is seen evicting returning
+        // prompts: a session would be credited there, a conversation followed by its
+        // prompt is not.
         let home: Arc<str> = Arc::from(d.pod.as_str());
         for _ in 0..30 {
             sc.returns.observe(&home, 100, 0);
@@ -1020,54 +1033,12 @@ mod tests {
     /// prompt that starts afresh under the same session (a sub-agent) tells nothing.
     #[test]
     fn returning_turns_measure_what_their_pod_evicted() {
-        use crate::ingest::{ingest, Recovery};
-        use kvroute_shared::protocol::{Event, EventBatch, Tier};
         let (sc, _ch) = four_pods();
-        let locks = Recovery::default();
         let turn = |chain: Vec<u64>| RouteRequest {
             session: Some("s".into()),
             ..tokens_req(chain, "r")
         };
-        let first: Vec<u64> = (1000..1064).collect();
-        let a = route(&sc, &turn(first.clone())).expect("first");
-        done(&sc, &a);
-        let mut seq = 0;
-        let mut events = |events: Vec<Event>| {
-            let b = EventBatch::new(&a.pod, "m", "e", seq, events);
-            seq += 1;
-            ingest(&sc, &locks, &b).expect("ingest");
-        };
-        events(vec![Event::Stored {
-            tier: Tier::Gpu,
-            parent: None,
-            blocks: first.clone(),
-            tokens: None,
-        }]);
-        // The next turn finds all of it.
-        let second: Vec<u64> = (1000..1080).collect();
-        let b = route(&sc, &turn(second.clone())).expect("second");
-        done(&sc, &b);
-        assert_eq!(b.pod, a.pod);
-        assert_eq!(sc.returns.pressure_of(&a.pod), Some(0.0));
-        // The pod evicts all but the first 16 blocks; the third turn continues the
-        // second, which is checked 16 blocks (256 tokens) before its end: 64 blocks, of
-        // which 16 are left.
-        events(vec![
-            Event::Stored {
-                tier: Tier::Gpu,
-                parent: Some(1063),
-                blocks: (1064..1080).collect(),
-                tokens: None,
-            },
-            Event::Removed {
-                tier: Tier::Gpu,
-                blocks: (1016..1080).collect(),
-            },
-        ]);
-        let c = route(&sc, &turn((1000..1090).collect())).expect("third");
-        done(&sc, &c);
-        let p = sc.returns.pressure_of(&a.pod).unwrap_or(0.0);
-        assert!((p - 0.1 * 48.0 / 64.0).abs() < 1e-9, "{p}");
+        let a = returning_turns_after_an_eviction(&sc, Some("s"));
         // A sub-agent under the same session id, with a prompt of its own: no change
         // to whichever pod the session is bound to.
         let pressures = || -> Vec<f64> {
