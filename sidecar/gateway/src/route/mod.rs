@@ -364,9 +364,9 @@ pub struct Facts {
     /// what they are bound to now.
     pub session: Option<(u64, Option<Bound>)>,
     pub response: Option<Bound>,
-    /// `session` is not the client's: the request named none, and this is the
-    /// conversation its chain continues (`Kind::Prompt`; key 0 when it continues none).
-    pub implicit: bool,
+    /// A token request that names no session: the conversation its chain continues, by
+    /// the key it is bound under (`Kind::Prompt`), if this sidecar routed its last turn.
+    pub prompt: Option<(u64, Bound)>,
 }
 
 fn lookup(sc: &Sidecar, req: &RouteRequest, now: Instant) -> Facts {
@@ -413,7 +413,7 @@ fn lookup(sc: &Sidecar, req: &RouteRequest, now: Instant) -> Facts {
         .copied();
     let cfg = sc.config();
     let ttl = std::time::Duration::from_secs(cfg.binding_ttl_s);
-    let mut session = req.session.as_deref().map(|s| {
+    let session = req.session.as_deref().map(|s| {
         let k = affinity::key(&req.model, s);
         (k, sc.bindings.get(Kind::Session, k, now, ttl))
     });
@@ -424,18 +424,12 @@ fn lookup(sc: &Sidecar, req: &RouteRequest, now: Instant) -> Facts {
             .get(Kind::Response, affinity::key(&req.model, r), now, ttl)
             .or_else(|| session.as_ref().and_then(|(_, b)| b.clone()))
     });
-    // No session id: the conversation this chain continues, if this sidecar routed its
-    // last turn.
-    let implicit = session.is_none() && req.mode == Mode::Tokens && !req.chain.is_empty();
-    if implicit {
-        let found = sc.bindings.find(
-            Kind::Prompt,
-            tip_probes(&req.model, &req.chain, req.block_size),
-            now,
-            ttl,
-        );
-        session = Some(found.map_or((0, None), |(k, b)| (k, Some(b))));
-    }
+    let prompt = if session.is_none() && req.mode == Mode::Tokens {
+        let probes = tip_probes(&req.model, &req.chain, req.block_size);
+        sc.bindings.find(Kind::Prompt, probes, now, ttl)
+    } else {
+        None
+    };
     Facts {
         index,
         confirmed,
@@ -445,7 +439,7 @@ fn lookup(sc: &Sidecar, req: &RouteRequest, now: Instant) -> Facts {
         prompt_blocks,
         session,
         response,
-        implicit,
+        prompt,
     }
 }
 
@@ -517,13 +511,11 @@ impl<'a> Route<'a> {
         }
         // Only where the indexes know nothing of the prompt (a cold or restarted index,
         // a prompt whose front changed): what they do know is fact, a binding a guess.
-        // A conversation followed by its prompt (no session id) is not credited: on the
-        // Mooncake trace the credit kept prompts on pods that had evicted them at 10% of
-        // mean TTFT and 35% of p99 (docs/policy.md); it only tells `returns` what its
-        // pod evicted.
-        let blind = self.facts.confirmed.is_empty()
-            && self.facts.predicted.is_empty()
-            && !self.facts.implicit;
+        // A conversation followed by its prompt (`Facts::prompt`, no session id) is not
+        // credited: on the Mooncake trace the credit kept prompts on pods that had
+        // evicted them at 10% of mean TTFT and 35% of p99 (docs/policy.md); it only
+        // tells `returns` what its pod evicted.
+        let blind = self.facts.confirmed.is_empty() && self.facts.predicted.is_empty();
         if let (true, Some((_, Some(s)))) = (blind, self.facts.session.as_ref()) {
             if &*s.pod == pod {
                 let blocks = (s.tokens as f64 / bt)
@@ -705,18 +697,20 @@ impl<'a> Route<'a> {
             self.now,
             self.cfg,
         );
-        // A turn continuing its session's last prompt tells what the pod it went to
-        // has evicted of it since (a prompt that starts afresh — a sub-agent under the
-        // same session id, a compacted history — tells nothing, and neither does a pod
-        // whose events the index does not have: none yet, or a gap in them).
-        if let Some((
-            _,
-            Some(Bound {
-                pod,
-                tip: Some((n, last)),
-                ..
-            }),
-        )) = &facts.session
+        // A turn continuing its session's (or, naming none, its prompt's) last prompt
+        // tells what the pod it went to has evicted of it since (a prompt that starts
+        // afresh — a sub-agent under the same session id, a compacted history — tells
+        // nothing, and neither does a pod whose events the index does not have: none
+        // yet, or a gap in them).
+        let continued = match &facts.session {
+            Some((_, bound)) => bound.as_ref(),
+            None => facts.prompt.as_ref().map(|(_, b)| b),
+        };
+        if let Some(Bound {
+            pod,
+            tip: Some((n, last)),
+            ..
+        }) = continued
         {
             let known = pods.get(pod).is_some_and(|p| p.events_seen && !p.stale);
             if known && req.chain.get((*n as usize).wrapping_sub(1)) == Some(last) {
@@ -732,21 +726,22 @@ impl<'a> Route<'a> {
         // continued response's history included).
         let mut deltas = deltas;
         let history = facts.response.as_ref().map_or(0, |r| r.tokens);
-        if let (true, Some((key, was))) = (facts.implicit, &facts.session) {
+        let tip_now = (facts.session.is_none() && req.mode == Mode::Tokens)
+            .then(|| grid_tip(&req.chain, req.block_size))
+            .flatten();
+        if let Some((n, last)) = tip_now {
             // A conversation without a session id moves its key to this turn's tip.
-            if let Some((n, last)) = grid_tip(&req.chain, req.block_size) {
-                let next = affinity::tip_key(affinity::key(&req.model, ""), last);
-                if was.is_some() && *key != next {
-                    sc.bindings.unbind(Kind::Prompt, *key);
-                }
-                let bound = Bound {
-                    pod: serving.pod.clone(),
-                    tokens: tokens.prompt + history,
-                    tip: Some((n, last)),
-                };
-                let max = self.cfg.max_bindings as usize;
-                sc.bindings.bind(Kind::Prompt, next, bound, self.now, max);
+            let next = affinity::tip_key(affinity::key(&req.model, ""), last);
+            if let Some((key, _)) = facts.prompt.as_ref().filter(|(k, _)| *k != next) {
+                sc.bindings.unbind(Kind::Prompt, *key);
             }
+            let bound = Bound {
+                pod: serving.pod.clone(),
+                tokens: tokens.prompt + history,
+                tip: Some((n, last)),
+            };
+            let max = self.cfg.max_bindings as usize;
+            sc.bindings.bind(Kind::Prompt, next, bound, self.now, max);
         } else if let Some((key, was)) = &facts.session {
             let key = *key;
             let outcome = match was {
