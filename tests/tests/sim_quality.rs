@@ -702,6 +702,43 @@ fn on_the_live_agentic_case_in_tokens_sessions_keep_their_homes() {
     );
 }
 
+/// Four gateways route the live-shaped agentic case as one does: each replica learns
+/// the others' sessions with their prompts' tips (`LoadDelta::tip`), so whichever routes
+/// a session's next turn can tell what its pod evicted. Without the tips (seeds 1-6)
+/// four gateways moved 21% of the turns and reused 0.394 against one gateway's 0.424
+/// (7% less), each replica's eviction pressure read off a quarter of the returning
+/// turns and staying near nothing, so bindings lapsed; with them 9% and 0.411.
+#[test]
+fn on_the_live_agentic_case_four_gateways_keep_sessions_home_as_one_does() {
+    let run = |seed: u64, gateways: usize| {
+        let mut reqs = agentic_sessions(seed);
+        reqs.retain(|r| r.ts_ms <= 900_000.0);
+        let mut o = SimOpts::new(4, 1024, 512);
+        o.seed = seed;
+        o.gateways = gateways;
+        o.delta_delay_s = 0.02;
+        o.cost.prefill_tps = 64_000.0;
+        o.config.prefill_tokens_per_s = 64_000.0;
+        sim::simulate(&reqs, &o, Policy::Kvroute)
+    };
+    let (one, four): (Vec<_>, Vec<_>) = (1..=6).map(|s| (vec![run(s, 1)], vec![run(s, 4)])).unzip();
+    let (one, four) = (
+        &sim::summarize_seeds(&one)[0],
+        &sim::summarize_seeds(&four)[0],
+    );
+    eprintln!("one gateway {one:?}\nfour gateways {four:?}");
+    assert!(four.hit_rate >= 0.96 * one.hit_rate, "{four:?} vs {one:?}");
+    assert!(four.session_moves < 0.12, "{four:?}");
+    assert!(
+        four.ttft_mean_ms <= 1.05 * one.ttft_mean_ms,
+        "{four:?} vs {one:?}"
+    );
+    assert!(
+        four.ttft_p99_ms <= 1.05 * one.ttft_p99_ms,
+        "{four:?} vs {one:?}"
+    );
+}
+
 /// The imitations the simulator compares kvroute with decide as the real routers did:
 /// one round of each real router on the agentic sessions and one on the Mooncake trace,
 /// recorded live by `kvroute-bench peers --dump` (`tests/data/peers/`, the chains left

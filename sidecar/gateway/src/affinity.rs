@@ -125,7 +125,7 @@ pub enum Kind {
 }
 
 impl Kind {
-    const ALL: [Kind; 3] = [Kind::Session, Kind::Response, Kind::Prompt];
+    pub(crate) const ALL: [Kind; 3] = [Kind::Session, Kind::Response, Kind::Prompt];
 
     pub fn as_str(self) -> &'static str {
         match self {

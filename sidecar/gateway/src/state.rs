@@ -335,22 +335,37 @@ impl Sidecar {
         let pods = self.registry.view();
         let applied = match pods.id(&l.pod) {
             Some(id) => {
-                // The other replica's bindings: its session went there, or its response
-                // is stored there.
-                let bind = |kind, key: Option<u64>| {
-                    if let Some(key) = key {
-                        let bound = crate::affinity::Bound {
-                            pod: id.clone(),
-                            tokens: l.bound_tokens,
-                            tip: None,
-                        };
-                        let max = cfg.max_bindings as usize;
-                        self.bindings.bind(kind, key, bound, now, max);
-                    }
+                // The other replica's bindings: its session went there, its
+                // conversation without one, or its response is stored there.
+                use crate::affinity::{self, Kind};
+                // A tip is a place in a chain (blocks up to and including it) or nothing.
+                let tip = l.tip.and_then(|[n, h]| Some((u32::try_from(n).ok()?, h)));
+                let tip = tip.filter(|(n, _)| *n > 0);
+                let max = cfg.max_bindings as usize;
+                let bind = |kind, key: u64, tip| {
+                    let bound = affinity::Bound {
+                        pod: id.clone(),
+                        tokens: l.bound_tokens,
+                        tip,
+                    };
+                    self.bindings.bind(kind, key, bound, now, max);
                 };
-                match l.op {
-                    LoadOp::Add => bind(crate::affinity::Kind::Session, l.session),
-                    LoadOp::Release => bind(crate::affinity::Kind::Response, l.response),
+                match (l.op, l.session, tip) {
+                    (LoadOp::Add, Some(key), _) => bind(Kind::Session, key, tip),
+                    (LoadOp::Add, None, Some((_, last))) => {
+                        let m = affinity::key(&l.model, "");
+                        if let Some(was) = l.tip_was.filter(|w| *w != last) {
+                            self.bindings
+                                .unbind(Kind::Prompt, affinity::tip_key(m, was));
+                        }
+                        bind(Kind::Prompt, affinity::tip_key(m, last), tip);
+                    }
+                    (LoadOp::Add, None, None) => {}
+                    (LoadOp::Release, ..) => {
+                        if let Some(key) = l.response {
+                            bind(Kind::Response, key, None);
+                        }
+                    }
                 }
                 self.ledger.apply_remote(id, l, now, &cfg)
             }

@@ -611,6 +611,8 @@ impl Ledger {
             session: None,
             response: None,
             bound_tokens: 0,
+            tip: None,
+            tip_was: None,
             // Where the prompt is computed: its cache pod (a split decision's prefill
             // share carries them instead).
             marks: match (op, split) {
@@ -632,6 +634,8 @@ impl Ledger {
                 session: None,
                 response: None,
                 bound_tokens: 0,
+                tip: None,
+                tip_was: None,
                 marks: match op {
                     LoadOp::Add => chain_marks(&d.placement.chain),
                     LoadOp::Release => Vec::new(),

@@ -86,6 +86,8 @@ fn remote_adds_are_idempotent_and_expire() {
         session: None,
         response: None,
         bound_tokens: 0,
+        tip: None,
+        tip_was: None,
         marks: Vec::new(),
     };
     assert!(!l.has_peers(now));
@@ -128,6 +130,8 @@ fn from_replica(replica: &str, id: &str) -> LoadDelta {
         session: None,
         response: None,
         bound_tokens: 0,
+        tip: None,
+        tip_was: None,
         marks: Vec::new(),
     }
 }
@@ -232,6 +236,8 @@ fn hostile_replica_deltas_are_clamped_saturated_and_bounded() {
         session: None,
         response: None,
         bound_tokens: 0,
+        tip: None,
+        tip_was: None,
         marks: Vec::new(),
     };
     assert!(l.apply_remote(&pod, &huge("x"), now, &cfg));

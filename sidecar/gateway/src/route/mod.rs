@@ -732,7 +732,8 @@ impl<'a> Route<'a> {
         if let Some((n, last)) = tip_now {
             // A conversation without a session id moves its key to this turn's tip.
             let next = affinity::tip_key(affinity::key(&req.model, ""), last);
-            if let Some((key, _)) = facts.prompt.as_ref().filter(|(k, _)| *k != next) {
+            let was = facts.prompt.as_ref().filter(|(k, _)| *k != next);
+            if let Some((key, _)) = was {
                 sc.bindings.unbind(Kind::Prompt, *key);
             }
             let bound = Bound {
@@ -740,6 +741,12 @@ impl<'a> Route<'a> {
                 tokens: tokens.prompt + history,
                 tip: Some((n, last)),
             };
+            // The other replicas follow the conversation too.
+            if let Some(d) = deltas.first_mut() {
+                d.tip = Some([u64::from(n), last]);
+                d.tip_was = was.and_then(|(_, b)| b.tip).map(|(_, h)| h);
+                d.bound_tokens = bound.tokens;
+            }
             let max = self.cfg.max_bindings as usize;
             sc.bindings.bind(Kind::Prompt, next, bound, self.now, max);
         } else if let Some((key, was)) = &facts.session {
@@ -760,6 +767,7 @@ impl<'a> Route<'a> {
             if let Some(d) = deltas.first_mut() {
                 d.session = Some(key);
                 d.bound_tokens = bound.tokens;
+                d.tip = bound.tip.map(|(n, h)| [u64::from(n), h]);
             }
             sc.bindings.bind(
                 Kind::Session,
@@ -893,7 +901,7 @@ mod tests {
 
     /// A sidecar with the default policy and four registered pods of model "m"; the
     /// second value keeps its channels open.
-    fn four_pods() -> (std::sync::Arc<Sidecar>, impl Sized) {
+    fn four_pods() -> (std::sync::Arc<Sidecar>, crate::state::Channels) {
         let (sc, ch) = Sidecar::new(PolicyConfig::default()).expect("sidecar");
         for p in 0..4 {
             let reg: PodRegistration =
@@ -1021,6 +1029,154 @@ mod tests {
             .and_then(|e| e.iter().find(|c| c["pod"] == d.pod.as_str()))
             .and_then(|c| c["hits"].as_f64());
         assert_eq!(hits, Some(0.0));
+    }
+
+    /// A conversation whose turns reach several replicas is followed by each of them: a
+    /// turn's add carries its prompt's tip (and, without a session, the tip it moved
+    /// from, which receivers forget), so the replica routing the next turn knows the pod
+    /// and tells `returns` what that pod evicted, as the one that routed the last turn
+    /// would have. Without the tip a replica's pressure stayed at nothing, and a session
+    /// kept home by its credit elsewhere lapsed there.
+    #[test]
+    fn another_replica_follows_a_conversation_and_sees_what_its_pod_evicted() {
+        use crate::ingest::{ingest, Recovery};
+        use kvroute_shared::protocol::{Event, EventBatch, Tier};
+        for session in [None, Some("s")] {
+            let (a, mut ach) = four_pods();
+            let (b, _bch) = four_pods();
+            a.enable_replica_sync(true);
+            let mut relay = || {
+                while let Ok(d) = ach.outbox.try_recv() {
+                    b.apply_remote(&d);
+                }
+            };
+            let turn = |chain: Vec<u64>| RouteRequest {
+                session: session.map(str::to_owned),
+                ..tokens_req(chain, "r")
+            };
+            let first = route(&a, &turn((1000..1064).collect())).expect("first");
+            done(&a, &first);
+            relay();
+            let second = route(&a, &turn((1000..1080).collect())).expect("second");
+            done(&a, &second);
+            relay();
+            let (kind, other) = match session {
+                None => (Kind::Prompt, Kind::Session),
+                Some(_) => (Kind::Session, Kind::Prompt),
+            };
+            assert_eq!(
+                b.bindings.len(kind),
+                1,
+                "{session:?}: one entry, moved along"
+            );
+            assert_eq!(b.bindings.len(other), 0, "{session:?}");
+            // The other replica follows the pod's events: all of the second prompt but
+            // its first 16 blocks is evicted by the time the third turn comes to it.
+            let pod: Arc<str> = Arc::from(second.pod.as_str());
+            let batch = |seq, events| EventBatch::new(&second.pod, "m", "e", seq, events);
+            let locks = Recovery::default();
+            let stored = Event::Stored {
+                tier: Tier::Gpu,
+                parent: None,
+                blocks: (1000..1080).collect(),
+                tokens: None,
+            };
+            let removed = Event::Removed {
+                tier: Tier::Gpu,
+                blocks: (1016..1080).collect(),
+            };
+            ingest(&b, &locks, &batch(0, vec![stored])).expect("stored");
+            ingest(&b, &locks, &batch(1, vec![removed])).expect("removed");
+            let third = turn((1000..1090).collect());
+            let facts = lookup(&b, &third, Instant::now());
+            let bound = match session {
+                None => facts.prompt.map(|(_, b)| b),
+                Some(_) => facts.session.and_then(|(_, b)| b),
+            };
+            let bound = bound.expect("the other replica's turn is known here");
+            assert_eq!(bound.pod, pod, "{session:?}");
+            assert_eq!(bound.tip, Some((64, 1063)), "{session:?}");
+            let c = route(&b, &third).expect("third");
+            done(&b, &c);
+            // 16 of the 64 blocks sent there before the tip are held.
+            let p = b.returns.pressure_of(&pod).unwrap_or(0.0);
+            assert!((p - 0.1 * 48.0 / 64.0).abs() < 1e-9, "{session:?}: {p}");
+        }
+        // A tip that is no place in a chain binds nothing.
+        let (c, _cch) = four_pods();
+        for n in [0, u64::from(u32::MAX) + 1, u64::MAX] {
+            c.apply_remote(&LoadDelta {
+                replica: "peer".into(),
+                id: format!("peer-{n}"),
+                pod: "10.0.0.2:8000".into(),
+                model: "m".into(),
+                op: LoadOp::Add,
+                prefill_tokens: 0,
+                blocks: 4,
+                prefix: None,
+                inflight: true,
+                session: None,
+                response: None,
+                bound_tokens: 64,
+                tip: Some([n, 7]),
+                tip_was: Some(8),
+                marks: Vec::new(),
+            });
+        }
+        assert_eq!(c.bindings.len(Kind::Prompt), 0);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+        /// Whatever another replica sends in a load delta's bindings (sessions, tips and
+        /// the tips they moved from, responses, on pods known or not), applying it never
+        /// panics, every binding table stays within its bound, and routing goes on.
+        #[test]
+        fn any_replica_bindings_stay_bounded(
+            deltas in proptest::collection::vec(
+                (
+                    proptest::prelude::any::<bool>(),
+                    proptest::option::of(0u64..4),
+                    proptest::option::of((proptest::prelude::any::<u64>(), 0u64..8)),
+                    proptest::option::of(0u64..8),
+                    0u8..6,
+                ),
+                0..64,
+            ),
+        ) {
+            let cfg = PolicyConfig { max_bindings: 4, ..PolicyConfig::default() };
+            let (sc, _ch) = Sidecar::new(cfg).expect("sidecar");
+            for p in 0..4 {
+                let reg: PodRegistration =
+                    serde_json::from_value(serde_json::json!({"model": "m"})).expect("reg");
+                sc.register(&format!("10.0.0.{p}:8000"), reg).expect("register");
+            }
+            for (i, (add, session, tip, was, pod)) in deltas.into_iter().enumerate() {
+                sc.apply_remote(&LoadDelta {
+                    replica: "peer".into(),
+                    id: format!("peer-{i}"),
+                    pod: format!("10.0.0.{pod}:8000"),
+                    model: "m".into(),
+                    op: if add { LoadOp::Add } else { LoadOp::Release },
+                    prefill_tokens: 0,
+                    blocks: 1,
+                    prefix: None,
+                    inflight: true,
+                    session,
+                    response: session,
+                    bound_tokens: 64,
+                    tip: tip.map(|(n, h)| [n, h]),
+                    tip_was: was,
+                    marks: Vec::new(),
+                });
+            }
+            for kind in Kind::ALL {
+                proptest::prop_assert!(sc.bindings.len(kind) <= 4);
+            }
+            let a = route(&sc, &tokens_req((0..40).collect(), "r")).expect("routes");
+            done(&sc, &a);
+        }
     }
 
     /// A session's turn routed by tokens tells how much of its last prompt the pod it
@@ -1220,6 +1376,8 @@ mod tests {
             session: Some(affinity::key("m", "roaming")),
             response: None,
             bound_tokens: 64 * 16,
+            tip: None,
+            tip_was: None,
             marks: Vec::new(),
         };
         other.apply_remote(&d);
@@ -1349,6 +1507,8 @@ mod tests {
             session: None,
             response: None,
             bound_tokens: 0,
+            tip: None,
+            tip_was: None,
             marks: Vec::new(),
         };
         let n = |sc: &Sidecar| sc.ledger().prefix_inflight(8).get("10.0.0.1:8000").copied();
