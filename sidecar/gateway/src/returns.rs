@@ -1,15 +1,19 @@
-//! Eviction pressure on token chains: how much of a session's last prompt its pod had
-//! already evicted when the session's next turn came back to route.
+//! Eviction pressure read off returning turns: how much of a session's last prompt its
+//! pod had already evicted when the session's next turn came back.
 //!
-//! Text chains learn this from the engines' reports (`predicted`: a guess the engine no
-//! longer held). Token chains have no guesses to be wrong about — the index follows the
-//! engines' events — so the same fact is read where it shows: a turn whose session is
-//! bound to a pod, against what that pod still holds of the prompt the binding says it
-//! was sent. The policy reads it as `Candidate::pressure` (`policy::load_weight`): where
-//! the caches are smaller than the sessions in flight, a turn moved off its pod to skip a
-//! queue is prefilled whole elsewhere and evicts that pod's sessions sooner.
+//! Token chains read it where it shows: a turn whose session is bound to a pod, against
+//! what the index (the engines' events) says that pod still holds of the prompt the
+//! binding says it was sent. Text chains have no index; where a session's turn goes back
+//! to its pod, the engine's report says it instead (what it found cached of the last
+//! prompt is what it kept). Predicted mode's own misprediction rate is no substitute: it
+//! says how wrong the router's residency model was, which stays low where that model
+//! follows the engines' LRU however much they evict. The policy reads the pressure as
+//! `Candidate::pressure` (`policy::load_weight`): where the caches are smaller than the
+//! sessions in flight, a turn moved off its pod to skip a queue is prefilled whole
+//! elsewhere and evicts that pod's sessions sooner.
 //!
-//! Kept per pod, private, written only by [`Returns::observe`] on the route path.
+//! Kept per pod, private, written only by [`Returns::observe`] (on the route path for
+//! token chains, the report path for text chains).
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -84,6 +84,10 @@ pub struct Placement {
     pub text_bytes: Option<u64>,
     /// The chain's last block (keys the conversation's own tokens-per-byte sample).
     pub last_block: Option<u64>,
+    /// A text turn sent back to the pod its session's last turn went to, continuing that
+    /// prompt: the last prompt's blocks up to its tip. The report's cached tokens say how
+    /// many of them the pod kept (`returns`), as the index says for token chains.
+    pub returning: Option<u64>,
     /// The chain's blocks (at most [`IN_FLIGHT_BLOCKS`]), kept while the request is in
     /// flight: a request arriving meanwhile with the same prefix sees them
     /// ([`Ledger::in_flight`]).

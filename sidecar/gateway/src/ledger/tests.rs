@@ -29,6 +29,7 @@ fn decision(pod: &str, prefill_pod: Option<&str>, prefix: Option<u64>) -> Placem
         chain_blocks: 10,
         text_bytes: None,
         last_block: None,
+        returning: None,
         chain: Arc::from([]),
     }
 }

@@ -600,11 +600,16 @@ impl<'a> Route<'a> {
         } else {
             self.sc.ledger().in_flight(&self.req.chain, now)
         };
-        // Each chain weighs the eviction it can see: text chains, what their guesses'
-        // reports found; token chains, what their sessions' returning turns found.
+        // Each chain weighs the eviction it can see: token chains, what their sessions'
+        // returning turns found in the index; text chains, the same from the engines'
+        // reports, or what their guesses' reports found, whichever is more.
+        let returns = self.sc.returns.pressures(&ids);
         let pressures = match req.mode {
-            Mode::Text => self.sc.predicted.pressures(&ids),
-            Mode::Tokens => self.sc.returns.pressures(&ids),
+            Mode::Text => (self.sc.predicted.pressures(&ids).into_iter())
+                .zip(returns)
+                .map(|(p, r)| p.max(r))
+                .collect(),
+            Mode::Tokens => returns,
         };
         // With other replicas routing here, every `count`-th pod from this one's rank is its
         // own for new prompts (ranks and pod order agree across replicas).
@@ -672,6 +677,14 @@ impl<'a> Route<'a> {
         sc.metrics
             .matched_blocks
             .observe(serving.candidate.matched.max(cache.candidate.matched) as f64);
+        // A text turn back on its session's pod, continuing the prompt the binding says it
+        // was sent there: the engine's report will tell what that pod kept of it.
+        let returning = match &facts.session {
+            Some((_, Some(b))) if req.mode == Mode::Text && b.pod == cache.pod => b.tip,
+            _ => None,
+        }
+        .filter(|(n, last)| req.chain.get((*n as usize).wrapping_sub(1)) == Some(last))
+        .map(|(n, _)| u64::from(n));
         let (id, deltas) = sc.ledger().commit(
             Placement {
                 model: req.model.clone(),
@@ -692,6 +705,7 @@ impl<'a> Route<'a> {
                 chain_blocks: req.chain.len() as u64,
                 text_bytes: tokens.text_bytes,
                 last_block: req.chain.last().copied(),
+                returning,
                 chain: Arc::from(&req.chain[..req.chain.len().min(IN_FLIGHT_BLOCKS)]),
             },
             self.now,
@@ -712,7 +726,8 @@ impl<'a> Route<'a> {
             ..
         }) = continued
         {
-            let known = pods.get(pod).is_some_and(|p| p.events_seen && !p.stale);
+            let known = req.mode == Mode::Tokens
+                && pods.get(pod).is_some_and(|p| p.events_seen && !p.stale);
             if known && req.chain.get((*n as usize).wrapping_sub(1)) == Some(last) {
                 let held = facts
                     .confirmed
@@ -760,9 +775,7 @@ impl<'a> Route<'a> {
             let bound = Bound {
                 pod: serving.pod.clone(),
                 tokens: tokens.prompt + history,
-                tip: (req.mode == Mode::Tokens)
-                    .then(|| tip(&req.chain, req.block_size))
-                    .flatten(),
+                tip: tip(&req.chain, req.block_size),
             };
             if let Some(d) = deltas.first_mut() {
                 d.session = Some(key);
@@ -1730,6 +1743,49 @@ mod tests {
                 },
             );
         }
+    }
+
+    /// Text chains have no index to read what a pod evicted, but a session's turn sent
+    /// back to its pod has the engine's report: its cached tokens are what the pod kept
+    /// of the last prompt sent there, and feed `returns` as a token chain's index does.
+    /// A prompt that starts afresh under the same session tells nothing.
+    #[test]
+    fn a_text_session_back_on_its_pod_tells_from_its_report_what_the_pod_kept() {
+        let (sc, _ch) = four_pods();
+        let text = |chain: Vec<u64>| RouteRequest {
+            mode: Mode::Text,
+            block_size: 256,
+            prompt_tokens: (chain.len() * 64) as u32,
+            session: Some("s".into()),
+            ..tokens_req(chain, "text")
+        };
+        let served = |a: &RouteResponse, prompt: u32, cached: u32| {
+            report(
+                &sc,
+                &CompletionReport {
+                    decision: a.decision.clone().unwrap_or_default(),
+                    pod: a.pod.clone(),
+                    status: 200,
+                    prompt_tokens: Some(prompt),
+                    cached_tokens: Some(cached),
+                    ..Default::default()
+                },
+            )
+        };
+        let first = route(&sc, &text((1..=20).collect())).expect("first");
+        served(&first, 20 * 64, 0);
+        assert_eq!(sc.returns.pressure_of(&first.pod), None, "a first turn");
+        let second = route(&sc, &text((1..=40).collect())).expect("second");
+        assert_eq!(second.pod, first.pod);
+        // Of the first prompt's 19 blocks before its tip (one block, 256 bytes, from its
+        // end), the engine kept 5: 320 of 2,560 tokens at 64 a block.
+        served(&second, 40 * 64, 320);
+        let p = sc.returns.pressure_of(&first.pod).unwrap_or(0.0);
+        assert!((p - 0.1 * 14.0 / 19.0).abs() < 1e-9, "{p}");
+        // A sub-agent under the same session, with a prompt of its own.
+        let fresh = route(&sc, &text((500..540).collect())).expect("fresh");
+        served(&fresh, 40 * 64, 0);
+        assert_eq!(sc.returns.pressure_of(&first.pod), Some(p));
     }
 
     /// A prompt's second request, routed onto its guess while the first one is still

@@ -120,5 +120,10 @@ pub fn report_at(sc: &Sidecar, r: &CompletionReport, now: Instant) {
             p.chain_blocks,
             cfg.predicted_capacity_blocks,
         );
+        // A session's turn back on its pod: of its last prompt, the pod kept what the
+        // engine found cached.
+        if let (Some(n), Some(held)) = (p.returning, held) {
+            sc.returns.observe(cache_pod, n, held.min(n));
+        }
     }
 }
