@@ -129,10 +129,11 @@ pub struct PolicyConfig {
     /// candidates' mean. Where every cache evicts what it is sent, a prompt sent off its
     /// cache to skip a queue is prefilled whole elsewhere and pushes out the prompts
     /// cached there. New prompts keep the full weight: their placement is what spreads
-    /// prompts over pods (0 = off). Text chains' pressure is the share of predicted hits
-    /// the engines had evicted; token chains' is the share of sessions' returning
-    /// prompts their pods had evicted past 0.3, and steps aside while the fleet is far
-    /// behind. 50: at a pressure of 0.2 a queue counts a tenth (docs/policy.md).
+    /// prompts over pods (0 = off). The pressure is the share of sessions' returning
+    /// prompts their pods had evicted past 0.3 (token chains: by the index, stepping
+    /// aside while the fleet is far behind; text chains: by the engines' reports, or the
+    /// share of predicted hits the engines had evicted, whichever is more). 50: at a
+    /// pressure of 0.2 a queue counts a tenth (docs/policy.md).
     pub eviction_load_cut: f64,
     /// Pods whose cost is within this much of the best (in blocks of prefill) are equals,
     /// and the request's tie key picks among them. Replicas that route concurrent cold
