@@ -143,6 +143,28 @@ pub enum LoadOp {
 pub const LOAD_SUBJECT: &str = "kvroute.load";
 
 impl LoadDelta {
+    /// A delta that moves no load and binds nothing yet (in flight on `pod`); the
+    /// sender sets the rest.
+    pub fn new(replica: &str, id: &str, pod: &str, model: &str, op: LoadOp) -> LoadDelta {
+        LoadDelta {
+            replica: replica.to_owned(),
+            id: id.to_owned(),
+            pod: pod.to_owned(),
+            model: model.to_owned(),
+            op,
+            prefill_tokens: 0,
+            blocks: 0,
+            prefix: None,
+            inflight: true,
+            session: None,
+            response: None,
+            bound_tokens: 0,
+            tip: None,
+            tip_was: None,
+            marks: Vec::new(),
+        }
+    }
+
     /// `kvroute.load.<model>.<replica>`: each replica publishes only under its own id,
     /// so NATS permissions can confine it, and receivers check the payload agrees.
     pub fn subject(&self) -> String {

@@ -598,12 +598,8 @@ impl Ledger {
             .prefill_pod
             .as_ref()
             .filter(|p| **p != d.placement.pod);
+        let model = &d.placement.model;
         v.push(LoadDelta {
-            replica: self.replica.clone(),
-            id: id.clone(),
-            pod: d.placement.pod.to_string(),
-            model: d.placement.model.clone(),
-            op,
             prefill_tokens: if split.is_some() {
                 0
             } else {
@@ -611,39 +607,23 @@ impl Ledger {
             },
             blocks: d.placement.blocks,
             prefix: d.placement.prefix,
-            inflight: true,
-            session: None,
-            response: None,
-            bound_tokens: 0,
-            tip: None,
-            tip_was: None,
             // Where the prompt is computed: its cache pod (a split decision's prefill
             // share carries them instead).
             marks: match (op, split) {
                 (LoadOp::Add, None) => chain_marks(&d.placement.chain),
                 _ => Vec::new(),
             },
+            ..LoadDelta::new(&self.replica, &id, &d.placement.pod, model, op)
         });
         if let Some(pp) = split {
             v.push(LoadDelta {
-                replica: self.replica.clone(),
-                id: format!("{id}#prefill"),
-                pod: pp.to_string(),
-                model: d.placement.model.clone(),
-                op,
                 prefill_tokens: d.placement.prefill_tokens,
-                blocks: 0,
-                prefix: None,
                 inflight: false,
-                session: None,
-                response: None,
-                bound_tokens: 0,
-                tip: None,
-                tip_was: None,
                 marks: match op {
                     LoadOp::Add => chain_marks(&d.placement.chain),
                     LoadOp::Release => Vec::new(),
                 },
+                ..LoadDelta::new(&self.replica, &format!("{id}#prefill"), pp, model, op)
             });
         }
         v

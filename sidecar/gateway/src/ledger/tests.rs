@@ -75,21 +75,10 @@ fn remote_adds_are_idempotent_and_expire() {
     let (l, cfg, now) = (ledger("me"), PolicyConfig::default(), Instant::now());
     let pod: Arc<str> = Arc::from("a:1");
     let delta = |op, id: &str| LoadDelta {
-        replica: "peer".into(),
-        id: id.into(),
-        pod: "a:1".into(),
-        model: "m".into(),
-        op,
         prefill_tokens: 100,
         blocks: 5,
         prefix: Some(3),
-        inflight: true,
-        session: None,
-        response: None,
-        bound_tokens: 0,
-        tip: None,
-        tip_was: None,
-        marks: Vec::new(),
+        ..LoadDelta::new("peer", id, "a:1", "m", op)
     };
     assert!(!l.has_peers(now));
     assert!(l.apply_remote(&pod, &delta(LoadOp::Add, "x"), now, &cfg));
@@ -119,21 +108,9 @@ fn remote_adds_are_idempotent_and_expire() {
 /// A delta from `replica` (one block on pod a:1).
 fn from_replica(replica: &str, id: &str) -> LoadDelta {
     LoadDelta {
-        replica: replica.into(),
-        id: id.into(),
-        pod: "a:1".into(),
-        model: "m".into(),
-        op: LoadOp::Add,
-        prefill_tokens: 0,
         blocks: 1,
-        prefix: None,
         inflight: false,
-        session: None,
-        response: None,
-        bound_tokens: 0,
-        tip: None,
-        tip_was: None,
-        marks: Vec::new(),
+        ..LoadDelta::new(replica, id, "a:1", "m", LoadOp::Add)
     }
 }
 
@@ -225,21 +202,10 @@ fn hostile_replica_deltas_are_clamped_saturated_and_bounded() {
     let (l, cfg, now) = (ledger("me"), PolicyConfig::default(), Instant::now());
     let pod: Arc<str> = Arc::from("a:1");
     let huge = |id: &str| LoadDelta {
-        replica: "peer".into(),
-        id: id.into(),
-        pod: "a:1".into(),
-        model: "m".into(),
-        op: LoadOp::Add,
         prefill_tokens: u64::MAX - 7,
         blocks: u64::MAX - 3,
         prefix: Some(3),
-        inflight: true,
-        session: None,
-        response: None,
-        bound_tokens: 0,
-        tip: None,
-        tip_was: None,
-        marks: Vec::new(),
+        ..LoadDelta::new("peer", id, "a:1", "m", LoadOp::Add)
     };
     assert!(l.apply_remote(&pod, &huge("x"), now, &cfg));
     assert!(l.apply_remote(&pod, &huge("y"), now, &cfg));

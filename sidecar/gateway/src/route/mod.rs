@@ -925,6 +925,14 @@ mod tests {
         (sc, ch)
     }
 
+    /// Another replica's add on 10.0.0.2 binding nothing; tests set what it binds.
+    fn peer_add(id: &str) -> LoadDelta {
+        LoadDelta {
+            blocks: 4,
+            ..LoadDelta::new("peer", id, "10.0.0.2:8000", "m", LoadOp::Add)
+        }
+    }
+
     /// A completion report for a route answer.
     fn done_with(sc: &Sidecar, answer: &RouteResponse, status: u16) {
         report(
@@ -1119,21 +1127,10 @@ mod tests {
         let (c, _cch) = four_pods();
         for n in [0, u64::from(u32::MAX) + 1, u64::MAX] {
             c.apply_remote(&LoadDelta {
-                replica: "peer".into(),
-                id: format!("peer-{n}"),
-                pod: "10.0.0.2:8000".into(),
-                model: "m".into(),
-                op: LoadOp::Add,
-                prefill_tokens: 0,
-                blocks: 4,
-                prefix: None,
-                inflight: true,
-                session: None,
-                response: None,
                 bound_tokens: 64,
                 tip: Some([n, 7]),
                 tip_was: Some(8),
-                marks: Vec::new(),
+                ..peer_add(&format!("peer-{n}"))
             });
         }
         assert_eq!(c.bindings.len(Kind::Prompt), 0);
@@ -1167,21 +1164,14 @@ mod tests {
             }
             for (i, (add, session, tip, was, pod)) in deltas.into_iter().enumerate() {
                 sc.apply_remote(&LoadDelta {
-                    replica: "peer".into(),
-                    id: format!("peer-{i}"),
                     pod: format!("10.0.0.{pod}:8000"),
-                    model: "m".into(),
                     op: if add { LoadOp::Add } else { LoadOp::Release },
-                    prefill_tokens: 0,
-                    blocks: 1,
-                    prefix: None,
-                    inflight: true,
                     session,
                     response: session,
                     bound_tokens: 64,
                     tip: tip.map(|(n, h)| [n, h]),
                     tip_was: was,
-                    marks: Vec::new(),
+                    ..peer_add(&format!("peer-{i}"))
                 });
             }
             for kind in Kind::ALL {
@@ -1377,21 +1367,9 @@ mod tests {
         // Another replica hears the session's binding from the decision's delta.
         let (other, _och) = four_pods();
         let d = LoadDelta {
-            replica: "peer".into(),
-            id: "peer-1".into(),
-            pod: "10.0.0.2:8000".into(),
-            model: "m".into(),
-            op: LoadOp::Add,
-            prefill_tokens: 0,
-            blocks: 4,
-            prefix: None,
-            inflight: true,
             session: Some(affinity::key("m", "roaming")),
-            response: None,
             bound_tokens: 64 * 16,
-            tip: None,
-            tip_was: None,
-            marks: Vec::new(),
+            ..peer_add("peer-1")
         };
         other.apply_remote(&d);
         let a = route(&other, &turn(7777, Some("roaming"), None)).expect("route");
@@ -1507,22 +1485,11 @@ mod tests {
         );
         assert_eq!(sc.ledger().outstanding(), 0);
         // Another replica's decisions count too, and go with their release.
-        let delta = |op, id: &str| kvroute_shared::protocol::LoadDelta {
-            replica: "other".into(),
-            id: id.into(),
-            pod: "10.0.0.1:8000".into(),
-            model: "m".into(),
-            op,
+        let delta = |op, id: &str| LoadDelta {
             prefill_tokens: 64,
             blocks: 9,
             prefix: Some(8),
-            inflight: true,
-            session: None,
-            response: None,
-            bound_tokens: 0,
-            tip: None,
-            tip_was: None,
-            marks: Vec::new(),
+            ..LoadDelta::new("other", id, "10.0.0.1:8000", "m", op)
         };
         let n = |sc: &Sidecar| sc.ledger().prefix_inflight(8).get("10.0.0.1:8000").copied();
         sc.apply_remote(&delta(LoadOp::Add, "x1"));
