@@ -50,12 +50,12 @@ pub struct LoadDelta {
     pub response: Option<u64>,
     #[serde(default, skip_serializing_if = "is_zero")]
     pub bound_tokens: u64,
-    /// An add's prompt tip (token chains): `[blocks up to and including it, its hash]`, a
-    /// block near the prompt's end. With `session`, the session's, so the receiver can
-    /// tell what `pod` evicted of it when the session's next turn comes to it; without,
-    /// the conversation the prompt continues, bound under that block (the sidecar's
-    /// prompt-followed conversations), so a conversation whose turns reach several
-    /// replicas is followed by all of them.
+    /// An add's prompt tip: `[blocks up to and including it, its hash]`, a block near
+    /// the prompt's end. With `session`, the session's, so the receiver can tell what
+    /// `pod` evicted of it when the session's next turn comes to it; without (token
+    /// chains only), the conversation the prompt continues, bound under that block (the
+    /// sidecar's prompt-followed conversations), so a conversation whose turns reach
+    /// several replicas is followed by all of them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tip: Option<[u64; 2]>,
     /// The hash of the tip this conversation was bound under before the add (no session

@@ -37,10 +37,11 @@ use parking_lot::Mutex;
 pub struct Bound {
     pub pod: Arc<str>,
     pub tokens: u64,
-    /// A block near the end of the bound turn's token chain, by its place (blocks up to
-    /// and including it) and hash (a session bound on this replica, routed by tokens):
-    /// a next turn whose chain has that block at that place continues the same prompt,
-    /// and what the pod holds of it says what the pod evicted (the sidecar's `returns`).
+    /// A block near the end of the bound turn's chain, by its place (blocks up to and
+    /// including it) and hash: a next turn whose chain has that block at that place
+    /// continues the same prompt, and what the pod holds of it says what the pod evicted
+    /// (the sidecar's `returns`: by the index for token chains, by the engine's report
+    /// for text chains).
     pub tip: Option<(u32, u64)>,
 }
 
@@ -145,7 +146,12 @@ pub fn key(model: &str, key: &str) -> u64 {
     h.digest()
 }
 
-/// The key of a prompt's tip: a block of its chain, for the model whose `key(model, "")`
+/// What [`tip_key`] takes for `model`: its prompt tips' namespace.
+pub fn model_key(model: &str) -> u64 {
+    key(model, "")
+}
+
+/// The key of a prompt's tip: a block of its chain, for the model whose [`model_key`]
 /// is `model`. A chain block is a hash of everything before it, so it names its place
 /// too; two conversations that share a prompt up to it share the key, and the cache it
 /// stands for. Cheap (one xor), since a turn probes up to [`crate::route`]'s limit of
@@ -264,9 +270,9 @@ mod tests {
     #[test]
     fn prompt_tips_are_found_by_probing_and_forgotten_when_moved() {
         let (bs, t0, ttl) = (Bindings::default(), Instant::now(), Duration::from_secs(60));
-        let m = key("m", "");
+        let m = model_key("m");
         let k = tip_key(m, 1047);
-        assert_ne!(k, tip_key(key("m2", ""), 1047), "the model is in the key");
+        assert_ne!(k, tip_key(model_key("m2"), 1047), "the model is in the key");
         bs.bind(Kind::Prompt, k, b("a", 768), t0, 4);
         assert_eq!(bs.len(Kind::Session), 0);
         let probes = [tip_key(m, 1063), k, tip_key(m, 1031)];

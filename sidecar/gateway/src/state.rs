@@ -353,7 +353,7 @@ impl Sidecar {
                 match (l.op, l.session, tip) {
                     (LoadOp::Add, Some(key), _) => bind(Kind::Session, key, tip),
                     (LoadOp::Add, None, Some((_, last))) => {
-                        let m = affinity::key(&l.model, "");
+                        let m = affinity::model_key(&l.model);
                         if let Some(was) = l.tip_was.filter(|w| *w != last) {
                             self.bindings
                                 .unbind(Kind::Prompt, affinity::tip_key(m, was));

@@ -334,7 +334,7 @@ fn tip_probes<'c>(
     chain: &'c [u64],
     block_size: u32,
 ) -> impl Iterator<Item = u64> + 'c {
-    let (g, m) = (tip_grid(block_size), affinity::key(model, ""));
+    let (g, m) = (tip_grid(block_size), affinity::model_key(model));
     (1..=chain.len() / g)
         .rev()
         .take(MAX_TIP_PROBES)
@@ -677,14 +677,20 @@ impl<'a> Route<'a> {
         sc.metrics
             .matched_blocks
             .observe(serving.candidate.matched.max(cache.candidate.matched) as f64);
-        // A text turn back on its session's pod, continuing the prompt the binding says it
-        // was sent there: the engine's report will tell what that pod kept of it.
-        let returning = match &facts.session {
-            Some((_, Some(b))) if req.mode == Mode::Text && b.pod == cache.pod => b.tip,
-            _ => None,
+        // A turn continuing its session's (or, naming none, its prompt's) last prompt
+        // tells what the pod that prompt was sent to has evicted of it since (a prompt
+        // that starts afresh — a sub-agent under the same session id, a compacted
+        // history — tells nothing): token chains now, from the index; text chains sent
+        // back to that pod from the engine's report (`Placement::returning`).
+        let continued = match &facts.session {
+            Some((_, bound)) => bound.as_ref(),
+            None => facts.prompt.as_ref().map(|(_, b)| b),
         }
-        .filter(|(n, last)| req.chain.get((*n as usize).wrapping_sub(1)) == Some(last))
-        .map(|(n, _)| u64::from(n));
+        .and_then(|b| Some((b, b.tip?)))
+        .filter(|(_, (n, last))| req.chain.get((*n as usize).wrapping_sub(1)) == Some(last));
+        let returning = continued
+            .filter(|(b, _)| req.mode == Mode::Text && b.pod == cache.pod)
+            .map(|(_, (n, _))| u64::from(n));
         let (id, deltas) = sc.ledger().commit(
             Placement {
                 model: req.model.clone(),
@@ -711,30 +717,18 @@ impl<'a> Route<'a> {
             self.now,
             self.cfg,
         );
-        // A turn continuing its session's (or, naming none, its prompt's) last prompt
-        // tells what the pod it went to has evicted of it since (a prompt that starts
-        // afresh — a sub-agent under the same session id, a compacted history — tells
-        // nothing, and neither does a pod whose events the index does not have: none
-        // yet, or a gap in them).
-        let continued = match &facts.session {
-            Some((_, bound)) => bound.as_ref(),
-            None => facts.prompt.as_ref().map(|(_, b)| b),
-        };
-        if let Some(Bound {
-            pod,
-            tip: Some((n, last)),
-            ..
-        }) = continued
-        {
+        // A pod whose events the index does not have (none yet, or a gap in them) tells
+        // nothing.
+        if let Some((Bound { pod, .. }, (n, _))) = continued {
             let known = req.mode == Mode::Tokens
                 && pods.get(pod).is_some_and(|p| p.events_seen && !p.stale);
-            if known && req.chain.get((*n as usize).wrapping_sub(1)) == Some(last) {
+            if known {
                 let held = facts
                     .confirmed
                     .iter()
                     .find(|m| m.pod == *pod)
-                    .map_or(0, |m| m.depth.min(*n));
-                sc.returns.observe(pod, *n as u64, held as u64);
+                    .map_or(0, |m| m.depth.min(n));
+                sc.returns.observe(pod, n as u64, held as u64);
             }
         }
         // The session is where this turn went now, with this turn's whole prompt (a
@@ -746,7 +740,7 @@ impl<'a> Route<'a> {
             .flatten();
         if let Some((n, last)) = tip_now {
             // A conversation without a session id moves its key to this turn's tip.
-            let next = affinity::tip_key(affinity::key(&req.model, ""), last);
+            let next = affinity::tip_key(affinity::model_key(&req.model), last);
             let was = facts.prompt.as_ref().filter(|(k, _)| *k != next);
             if let Some((key, _)) = was {
                 sc.bindings.unbind(Kind::Prompt, *key);
